@@ -1,0 +1,90 @@
+"""Shared fixtures: a real S3 endpoint (moto in server mode on 127.0.0.1) and the embedded
+SmolLM2 base checkpoint, built once by the base_model stage and cached under .cache/."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "test-artifacts"
+
+# One thread: on 2 cores torch's default threads make small matmuls many times slower.
+os.environ.setdefault("QERL_TORCH_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("QERL_CACHE_DIR", str(ROOT / ".cache" / "qerl"))
+
+try:
+    import torch
+    torch.set_num_threads(1)
+except ImportError:  # the reward image's tests run without torch
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 in server mode on 127.0.0.1; the environment points boto3 and pyarrow at it."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket for one test: `s3://<name>`."""
+    import boto3
+
+    name = "t-" + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40].strip("-")
+    boto3.client("s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python -m …` as a user would; return the completed process."""
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact() -> Path:
+    """The embedded base model as published by the base_model stage (cached across sessions)."""
+    out = CACHE / "smollm2-base"
+    if not (out / "MANIFEST.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        run_cli("components.base_model", "--output", str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_artifact) -> Path:
+    """Path to the bf16 HF safetensors checkpoint of SmolLM2-135M-Instruct."""
+    return smollm2_artifact
