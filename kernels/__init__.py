@@ -1,0 +1,1 @@
+"""Numeric kernels for the QeRL pipeline, each beside a plain-torch reference."""
