@@ -88,3 +88,13 @@ def smollm2_artifact() -> Path:
 def smollm2_dir(smollm2_artifact) -> Path:
     """Path to the bf16 HF safetensors checkpoint of SmolLM2-135M-Instruct."""
     return smollm2_artifact
+
+
+@pytest.fixture(scope="session")
+def smollm2_nvfp4(smollm2_artifact) -> Path:
+    """SmolLM2-135M-Instruct quantized to NVFP4A16 by the quantize stage (cached across sessions)."""
+    out = CACHE / "smollm2-nvfp4"
+    if not (out / "MANIFEST.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        run_cli("components.quantize", "--input", str(smollm2_artifact), "--output", str(out))
+    return out

@@ -78,7 +78,9 @@ def build_parser(prog: str, description: str, config_cls) -> argparse.ArgumentPa
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS,
                                   help=(f.metadata.get("help") or "") + (f" (default: {default})" if default not in (None, "", []) else ""))
-        if tp is bool:  # `--flag` alone means true; `--flag false` also works
+        if tp is dict:  # a YAML/JSON mapping on the command line: --params '{a: {b: 1}}'
+            kw.update(type=yaml.safe_load, metavar="YAML")
+        elif tp is bool:  # `--flag` alone means true; `--flag false` also works
             kw.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
         elif is_list:
             kw.update(type=tp, nargs="+", metavar=f.metadata.get("metavar") or f.name.upper())
