@@ -1,0 +1,1 @@
+"""Reward stage: score rollout shards with built-in or user-supplied rewards."""
