@@ -1,0 +1,463 @@
+"""W4A16 GEMMs on a frozen NVFP4 weight: the packed 4-bit codes are dequantized in registers
+inside the K loop, so the bf16 weight never exists in HBM.
+
+For W [N, K] in the format of `reference` (packed uint8 [N, K/2], e4m3 block scales [N, K/16],
+float32 divisor g):
+
+* `linear_w4a16(x, ...)`     = x @ Wᵀ (+ bias)   [.., K] → [.., N]   (forward)
+* `grad_input_w4a16(dy, ...)` = dy @ W            [.., N] → [.., K]   (backward, dX)
+
+`reference_linear` / `reference_grad_input` are the plain-torch twins (reference dequantize
+to bf16 Ŵ, float32 matmul, bf16 out).
+
+Arithmetic. Inside the loop a weight element is decoded to the bf16 value E2M1(code) · s
+(s the e4m3 block scale). That product is *exact* in bf16 (2 significant bits times 4, all
+within bf16's exponent range), so no rounding happens before the tensor-core dot; the
+divisor g is applied once to the float32 accumulator in the epilogue (`div_rn`), and the
+result is rounded to bf16 (nearest even). This is the exact product with the float32
+dequantized weight, i.e. slightly *more* accurate than multiplying by the bf16-rounded Ŵ that
+`reference.dequantize` returns (they differ by ≤ 2⁻⁹ relative per weight element).
+
+Bit decoding uses integer ops only (no fp8 dtype, no subnormal floats), so it is the same on
+a GPU and in the CPU interpreter (TRITON_INTERPRET=1): the e4m3 scale bytes are loaded as
+uint8 and decoded with `triton_kernels._e4m3_decode`; an E2M1 code c becomes the bf16 bit
+pattern  (c&7 >= 2 ? ((c&7) << 6) + 0x3F00 : (c&7) · 0x3F00) | (c&8) << 12.
+
+One kernel serves both directions. The weight tile is always read as [rows of W, columns of
+W], with the two codes of a byte adjacent along W's columns (K): in the forward the columns
+are the reduction dim (tile [BLOCK_N, BLOCK_K]), in dX the reduction runs over W's rows and
+the columns are the output dim (tile [BLOCK_K, BLOCK_N]); either way a tile is loaded as
+bytes [rows, groups, 8], split into nibbles, joined and reshaped to [rows, groups, 16] so the
+block scale [rows, groups] broadcasts over the last axis.
+
+Small M (decode-like) uses split-K: each split stores its float32 partial tile into a
+workspace, bumps a per-tile counter, and the last split to arrive sums the partials in split
+order (deterministic), applies g/bias, writes bf16 and resets the counter to 0 (so the
+counter buffer, cached per device, stays zeroed). One launch, no atomics on data.
+Caveat: two of these kernels running concurrently on different streams would share the
+counter buffer; the trainer uses one stream.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import BLOCK
+from .reference import dequantize as _reference_dequantize
+from .triton_kernels import _e4m3_decode, _round_bf16
+
+__all__ = [
+    "linear_w4a16",
+    "grad_input_w4a16",
+    "reference_linear",
+    "reference_grad_input",
+    "INTERPRET",
+]
+
+
+# ------------------------------------------------------------------ the kernel
+
+@triton.jit
+def _decode_tile(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr):
+    """bytes b int32 [BR, G, 8] + e4m3 bytes sc int32 [BR, G] → bf16 [BR, G*16] = E2M1 · s.
+
+    GPU_MATH: multiply in bf16 (GPU: packed bf16x2 math) and return bf16, or multiply in
+    float32 and return float32 (the CPU interpreter of triton 3.9 gets bf16 arithmetic and
+    bf16 tl.dot wrong). Both are exact, so both give the same values."""
+    code = tl.reshape(tl.join(b & 15, b >> 4), (BR, G, 16))  # element 2i = low nibble
+    idx = code & 7
+    mag = tl.where(idx >= 2, (idx << 6) + 0x3F00, idx * 0x3F00)
+    bits = mag | ((code & 8) << 12)
+    w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    s = _e4m3_decode(sc)
+    if GPU_MATH:
+        w = w * s.to(tl.bfloat16)[:, :, None]  # exact: e4m3 values are bf16; ≤ 6 sig. bits
+    else:
+        w = w.to(tl.float32) * s[:, :, None]
+    return tl.reshape(w, (BR, G * 16))
+
+
+@triton.jit
+def _w4a16_kernel(
+    a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
+    M, N_OUT, RED, R, C, MN, stride_am, stride_ak, SPLIT_K, M_BUCKET,
+    TRANS_W: tl.constexpr,  # False: c = a @ Wᵀ (reduce over W's columns); True: c = a @ W
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    GPU_MATH: tl.constexpr,
+):
+    # ---- tile of the output (grouped order: GROUP_M row-tiles share a column-tile in L2)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N_OUT, BLOCK_N)
+    width = GROUP_M * grid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+
+    # ---- this split's range of K tiles
+    k_tiles = tl.cdiv(RED, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = kt0 * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk.to(tl.int64)[None, :] * stride_ak
+    a_step = BLOCK_K * stride_ak
+
+    C2 = C // 2
+    CG = C // 16
+    j8 = tl.arange(0, 8)
+    if TRANS_W:
+        # W tile [BLOCK_K rows (reduction), BLOCK_N cols (output)]
+        GW: tl.constexpr = BLOCK_N // 16
+        rows = rk.to(tl.int64)
+        grp = pid_n * GW + tl.arange(0, GW)
+        p_ptrs = packed_ptr + rows[:, None, None] * C2 + (grp[None, :, None] * 8 + j8[None, None, :])
+        s_ptrs = scale_ptr + rows[:, None] * CG + grp[None, :]
+        p_step = BLOCK_K * C2
+        s_step = BLOCK_K * CG
+        col_ok = grp < CG
+    else:
+        # W tile [BLOCK_N rows (output), BLOCK_K cols (reduction)]
+        GW: tl.constexpr = BLOCK_K // 16
+        rows = rn.to(tl.int64)
+        grp = kt0 * GW + tl.arange(0, GW)
+        p_ptrs = packed_ptr + rows[:, None, None] * C2 + (grp[None, :, None] * 8 + j8[None, None, :])
+        s_ptrs = scale_ptr + rows[:, None] * CG + grp[None, :]
+        p_step = BLOCK_K // 2
+        s_step = GW
+        row_ok = rn < R
+
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for kt in range(kt0, kt1):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = (kt * BLOCK_K + tl.arange(0, BLOCK_K)) < RED
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if not GPU_MATH:
+            a = a.to(tl.float32)  # interpreter: float32 dot of the exact bf16 values
+        if TRANS_W:
+            wmask = col_ok[None, :]
+            if not EVEN_K:
+                wmask = wmask & k_ok[:, None]
+            b = tl.load(p_ptrs, mask=wmask[:, :, None], other=0)
+            sc = tl.load(s_ptrs, mask=wmask, other=0)
+            w = _decode_tile(b.to(tl.int32), sc.to(tl.int32), BLOCK_K, GW, GPU_MATH)  # [BK, BN]
+            if SWAP_AB:
+                acc = tl.dot(tl.trans(w), tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, w, acc)
+        else:
+            wmask = row_ok[:, None]
+            if not EVEN_K:
+                g_ok = (kt * GW + tl.arange(0, GW)) < CG
+                wmask = wmask & g_ok[None, :]
+            b = tl.load(p_ptrs, mask=wmask[:, :, None], other=0)
+            sc = tl.load(s_ptrs, mask=wmask, other=0)
+            w = _decode_tile(b.to(tl.int32), sc.to(tl.int32), BLOCK_N, GW, GPU_MATH)  # [BN, BK]
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        a_ptrs += a_step
+        p_ptrs += p_step
+        s_ptrs += s_step
+
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    n_ok = rn < N_OUT
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    out_offs = rm.to(tl.int64)[:, None] * N_OUT + rn[None, :]
+    g = tl.load(g_ptr)
+    if SPLIT_K == 1:
+        out = tl.div_rn(acc, g)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + out_offs, _round_bf16(out).to(tl.bfloat16), mask=out_mask)
+    else:
+        tl.store(ws_ptr + pid_k * MN + out_offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # last split of this tile: reduce in split order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(ws_ptr + s * MN + out_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            out = tl.div_rn(total, g)
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(c_ptr + out_offs, _round_bf16(out).to(tl.bfloat16), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next launch
+
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
+
+    INTERPRET = isinstance(_w4a16_kernel, _InterpretedFunction)
+except ImportError:  # pragma: no cover
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ------------------------------------------------------------------ configs
+
+def _cfg(bm, bn, bk, warps, stages, swap, split=1):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWAP_AB": swap, "SPLIT_K": split},
+        num_warps=warps, num_stages=stages,
+    )
+
+
+# Compile cost matters (each variant takes ~3-15 s to compile for sm_90, serially), so the
+# lists are short. Checked offline with ptxas for sm_90a (triton 3.9): the swapped
+# orientation at BLOCK_M=16 feeds the dequantized tile to wgmma m64n16 straight from
+# registers (no spills); unswapped BLOCK_M=16 falls back to mma.sync and spills; 256-wide
+# tiles with 8 warps spill (acc 128 regs + dequant temporaries), 128×128×64 does not.
+# small M (≤ 32): memory bound on the weight; split-K for parallelism.
+_SMALL = [_cfg(bm, bn, bk, 4, 4, True, split)
+          for bm in (16, 32)
+          for bn, bk in ((64, 128), (64, 256), (128, 128))
+          for split in (1, 2, 4, 8, 16)]
+# medium M (≤ 512)
+_MEDIUM = [_cfg(bm, bn, bk, w, st, swap, split)
+           for swap in (False, True)
+           for bm, bn, bk, w, st in ((64, 128, 128, 4, 3), (128, 128, 64, 8, 4),
+                                     (128, 64, 128, 4, 4))
+           for split in (1, 2, 4, 8)]
+# large M: compute bound; the dequant ALU work per MAC is 1/BLOCK_M (1/BLOCK_N swapped).
+_LARGE = [_cfg(bm, bn, bk, w, st, swap, 1)
+          for swap in (False, True)
+          for bm, bn, bk, w, st in ((128, 128, 64, 8, 4), (128, 128, 64, 8, 3),
+                                    (128, 64, 128, 4, 4), (64, 128, 64, 4, 4))]
+_CONFIGS = _SMALL + _MEDIUM + _LARGE
+_SMALL_IDS = {id(c) for c in _SMALL}
+_MEDIUM_IDS = {id(c) for c in _MEDIUM}
+_LARGE_IDS = {id(c) for c in _LARGE}
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _prune(configs, named_args, **kwargs):
+    """The configs of M's bucket; split-K only while there are fewer than ~2 waves of output
+    tiles, at most ~4 waves of programs, and every split gets ≥ 2 K tiles."""
+    m, n_out, red = named_args["M"], named_args["N_OUT"], named_args["RED"]
+    m_bucket = named_args["M_BUCKET"]
+    sms = _num_sms(named_args["a_ptr"].device)
+    if m_bucket <= 32:
+        ids, bms = _SMALL_IDS, ((16,) if m_bucket <= 16 else (32,))
+    elif m_bucket <= 512:
+        ids, bms = _MEDIUM_IDS, (64, 128)
+    else:
+        ids, bms = _LARGE_IDS, (64, 128)
+    out = []
+    for c in configs:
+        kw = c.kwargs
+        if id(c) not in ids or kw["BLOCK_M"] not in bms:
+            continue
+        split = kw["SPLIT_K"]
+        if split > 1:
+            tiles = triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n_out, kw["BLOCK_N"])
+            if tiles >= 2 * sms or tiles * split > 4 * sms \
+                    or triton.cdiv(red, kw["BLOCK_K"]) < 2 * split:
+                continue
+        out.append(c)
+    return out
+
+
+# One fixed config under the interpreter (autotuning there would run every config on CPU).
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": False, "SPLIT_K": 1,
+                    "num_warps": 4, "num_stages": 1}
+
+_autotuned = None
+
+
+def _tuned_kernel():
+    global _autotuned
+    if _autotuned is None:
+        _autotuned = triton.autotune(
+            configs=_CONFIGS,
+            key=["M_BUCKET", "N_OUT", "RED", "TRANS_W", "HAS_BIAS"],
+            prune_configs_by={"early_config_prune": _prune},
+        )(triton.heuristics({"EVEN_K": lambda a: a["RED"] % a["BLOCK_K"] == 0})(_w4a16_kernel))
+    return _autotuned
+
+
+# ------------------------------------------------------------------ launcher
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer ≥ n per device; the kernel leaves it zeroed after each launch."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _check(name, a, weight_packed, weight_scale, weight_global_scale, a_dim_is_k: bool):
+    if not isinstance(a, torch.Tensor) or a.dtype != torch.bfloat16:
+        raise ValueError(f"{name}: input must be a bf16 tensor, got "
+                         f"{getattr(a, 'dtype', type(a).__name__)}")
+    if a.ndim < 1:
+        raise ValueError(f"{name}: input must have at least 1 dim")
+    if weight_packed.dtype != torch.uint8 or weight_packed.ndim != 2:
+        raise ValueError(f"{name}: weight_packed must be uint8 [out, in/2], got "
+                         f"{weight_packed.dtype} {tuple(weight_packed.shape)}")
+    n, half = weight_packed.shape
+    k = half * 2
+    if k % BLOCK != 0:
+        raise ValueError(f"{name}: in_features {k} is not divisible by {BLOCK}")
+    if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(f"{name}: weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
+    if tuple(weight_scale.shape) != (n, k // BLOCK):
+        raise ValueError(f"{name}: weight_scale shape {tuple(weight_scale.shape)} does not fit "
+                         f"weight_packed {tuple(weight_packed.shape)} (expected {(n, k // BLOCK)})")
+    if (not isinstance(weight_global_scale, torch.Tensor) or weight_global_scale.numel() != 1
+            or weight_global_scale.dtype != torch.float32):
+        raise ValueError(f"{name}: weight_global_scale must be a float32 tensor of one number")
+    want = k if a_dim_is_k else n
+    if a.shape[-1] != want:
+        raise ValueError(f"{name}: input last dim {a.shape[-1]} != {want} for a weight of "
+                         f"shape [{n}, {k}]")
+    dev = a.device
+    for t in (weight_packed, weight_scale, weight_global_scale):
+        if t.device != dev:
+            raise ValueError(f"{name}: tensors on different devices ({dev} vs {t.device})")
+    return n, k
+
+
+def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias, trans_w: bool,
+         config: Optional[dict] = None) -> torch.Tensor:
+    R, C = weight_packed.shape[0], weight_packed.shape[1] * 2
+    n_out, red = (C, R) if trans_w else (R, C)
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, a.shape[-1])  # a view when possible: strides go to the kernel
+    M = a2.shape[0]
+    out = torch.empty((M, n_out), dtype=torch.bfloat16, device=a.device)
+    if M == 0 or n_out == 0:
+        return out.reshape(*lead, n_out)
+    if red == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(out.dtype)
+        return out.reshape(*lead, n_out)
+    packed = weight_packed.contiguous()
+    scale = weight_scale.contiguous().view(torch.uint8)
+    g = weight_global_scale.reshape(1).contiguous()
+    has_bias = bias is not None
+    bias_arg = bias.contiguous() if has_bias else g
+    m_bucket = max(16, triton.next_power_of_2(M))
+    common = dict(TRANS_W=trans_w, HAS_BIAS=has_bias, GROUP_M=8, GPU_MATH=not INTERPRET)
+
+    if config is not None or INTERPRET:
+        cfg = dict(INTERPRET_CONFIG if config is None else config)
+        split = cfg.pop("SPLIT_K")
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        tiles = triton.cdiv(M, bm) * triton.cdiv(n_out, bn)
+        ws = (torch.empty(split * M * n_out, dtype=torch.float32, device=a.device)
+              if split > 1 else out)
+        cnt = _counters(a.device, tiles)
+        _w4a16_kernel[(tiles, split)](
+            a2, packed, scale, g, bias_arg, out, ws, cnt,
+            M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), split, m_bucket,
+            EVEN_K=(red % bk == 0), **common, **cfg,
+        )
+    else:
+        kernel = _tuned_kernel()
+        named = {"M": M, "N_OUT": n_out, "RED": red, "M_BUCKET": m_bucket, "a_ptr": a2}
+        cands = _prune(_CONFIGS, named)
+        max_split = max(c.kwargs["SPLIT_K"] for c in cands)
+        max_tiles = max(triton.cdiv(M, c.kwargs["BLOCK_M"]) * triton.cdiv(n_out, c.kwargs["BLOCK_N"])
+                        for c in cands)
+        ws = (torch.empty(max_split * M * n_out, dtype=torch.float32, device=a.device)
+              if max_split > 1 else out)
+        cnt = _counters(a.device, max_tiles)
+
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(n_out, meta["BLOCK_N"]),
+                    meta["SPLIT_K"])
+
+        kernel[grid](
+            a2, packed, scale, g, bias_arg, out, ws, cnt,
+            M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), **common,
+        )
+    return out.reshape(*lead, n_out)
+
+
+def linear_w4a16(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    _config: Optional[dict] = None,
+) -> torch.Tensor:
+    """y [.., N] bf16 = x [.., K] bf16 @ Wᵀ (+ bias), W the NVFP4 weight [N, K].
+
+    `_config` (tests/benchmarks) forces one kernel config instead of autotuning:
+    keys BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SPLIT_K, num_warps, num_stages."""
+    n, _ = _check("linear_w4a16", x, weight_packed, weight_scale, weight_global_scale, True)
+    if bias is not None:
+        if bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32) \
+                or bias.device != x.device:
+            raise ValueError(f"linear_w4a16: bias must be bf16/fp32 [{n}] on {x.device}, got "
+                             f"{bias.dtype} {tuple(bias.shape)}")
+    return _run(x, weight_packed, weight_scale, weight_global_scale, bias, False, _config)
+
+
+def grad_input_w4a16(
+    dy: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    *,
+    _config: Optional[dict] = None,
+) -> torch.Tensor:
+    """dX [.., K] bf16 = dy [.., N] bf16 @ W, W the NVFP4 weight [N, K] (reduction over N)."""
+    _check("grad_input_w4a16", dy, weight_packed, weight_scale, weight_global_scale, False)
+    return _run(dy, weight_packed, weight_scale, weight_global_scale, None, True, _config)
+
+
+# ------------------------------------------------------------------ plain-torch reference
+
+def reference_linear(x, weight_packed, weight_scale, weight_global_scale, bias=None):
+    """x @ Ŵᵀ (+ bias): reference bf16 dequantize, float32 matmul, bf16 out."""
+    w = _reference_dequantize(weight_packed, weight_scale, weight_global_scale, torch.bfloat16)
+    y = x.to(torch.float32) @ w.to(torch.float32).t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(torch.bfloat16)
+
+
+def reference_grad_input(dy, weight_packed, weight_scale, weight_global_scale):
+    """dy @ Ŵ: reference bf16 dequantize, float32 matmul, bf16 out."""
+    w = _reference_dequantize(weight_packed, weight_scale, weight_global_scale, torch.bfloat16)
+    return (dy.to(torch.float32) @ w.to(torch.float32)).to(torch.bfloat16)

@@ -1,0 +1,189 @@
+"""W4A16 GEMMs on NVFP4 weights (kernels.nvfp4.gemm) against the plain-torch reference.
+
+The Triton kernels run on CPU under TRITON_INTERPRET=1 in a fresh process (triton reads the
+variable when a kernel is decorated, so it must be set before kernels.nvfp4.gemm is first
+imported, which this process may already have done). Shapes are tiny: the interpreter is
+slow. Input checks and the reference functions run in-process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kernels.nvfp4 import reference as ref  # noqa: E402
+
+torch.set_num_threads(1)
+
+TOL = 1e-2  # ‖out − ref‖ / ‖ref‖, bf16 output and a different accumulation order
+
+
+def make_weight(n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * (1 + torch.rand(n, k // 16, 1, generator=gen) * 4) \
+        .expand(n, k // 16, 16).reshape(n, k)
+    w = w.bfloat16()
+    return ref.quantize(w, ref.global_scale(w))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------- in-process
+
+def test_reference_functions_match_float64():
+    from kernels.nvfp4.gemm import reference_grad_input, reference_linear
+
+    q = make_weight(48, 64, 1)
+    w64 = ref.dequantize(*q, dtype=torch.float32).double()
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    dy = torch.randn(7, 48, generator=torch.Generator().manual_seed(3)).bfloat16()
+    bias = torch.randn(48).bfloat16()
+    y = reference_linear(x, *q, bias=bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (7, 48)
+    assert rel(y, x.double() @ w64.t() + bias.double()) < TOL
+    dx = reference_grad_input(dy, *q)
+    assert dx.dtype == torch.bfloat16 and dx.shape == (7, 64)
+    assert rel(dx, dy.double() @ w64) < TOL
+
+
+def test_bad_inputs_raise():
+    from kernels.nvfp4.gemm import grad_input_w4a16, linear_w4a16
+
+    q = make_weight(16, 32, 0)
+    x = torch.randn(3, 32).bfloat16()
+    dy = torch.randn(3, 16).bfloat16()
+    with pytest.raises(ValueError, match="bf16"):
+        linear_w4a16(x.float(), *q)
+    with pytest.raises(ValueError, match="bf16"):
+        grad_input_w4a16(dy.half(), *q)
+    with pytest.raises(ValueError, match="last dim"):
+        linear_w4a16(x[:, :16], *q)
+    with pytest.raises(ValueError, match="last dim"):
+        grad_input_w4a16(x, *q)
+    # in_features 24: not a multiple of 16
+    packed24 = torch.zeros(16, 12, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        linear_w4a16(torch.zeros(3, 24).bfloat16(), packed24, q.weight_scale[:, :1],
+                     q.weight_global_scale)
+    with pytest.raises(ValueError, match="weight_packed"):
+        linear_w4a16(x, q.weight_packed.to(torch.int16), *q[1:])
+    with pytest.raises(ValueError, match="weight_scale"):
+        linear_w4a16(x, q.weight_packed, q.weight_scale.float(), q.weight_global_scale)
+    with pytest.raises(ValueError, match="weight_scale shape"):
+        linear_w4a16(x, q.weight_packed, q.weight_scale[:, :1], q.weight_global_scale)
+    with pytest.raises(ValueError, match="global_scale"):
+        linear_w4a16(x, *q[:2], q.weight_global_scale.double())
+    with pytest.raises(ValueError, match="bias"):
+        linear_w4a16(x, *q, bias=torch.zeros(15).bfloat16())
+
+
+def test_kernels_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--interpreter-check"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["interpreted"] is True
+    assert report["failures"] == [], report["failures"]
+    assert report["checks"] >= 60, report
+    print(f"{report['checks']} interpreter checks, worst rel. error {report['worst']:.2e}")
+
+
+# ---------------------------------------------------------------- interpreter half
+
+def _interpreter_check() -> dict:
+    torch.set_num_threads(1)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels.nvfp4 import gemm
+
+    failures: list[str] = []
+    checks = 0
+    worst = 0.0
+
+    def expect(tag, out, want_ref, want64, shape):
+        nonlocal checks, worst
+        checks += 1
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(shape):
+            failures.append(f"{tag}: got {out.dtype} {tuple(out.shape)}, want bf16 {shape}")
+            return
+        if not bool(torch.isfinite(out).all()):
+            failures.append(f"{tag}: non-finite output")
+            return
+        e1, e2 = rel(out, want_ref), rel(out, want64)
+        worst = max(worst, e1, e2)
+        if e1 > TOL or e2 > TOL:
+            failures.append(f"{tag}: rel err vs reference {e1:.3e}, vs float64 {e2:.3e}")
+
+    base = dict(gemm.INTERPRET_CONFIG)
+    configs = {
+        "default": None,  # the fixed interpreter config (BM16 BN16 BK32)
+        "bn32-bk64-split2": dict(base, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2),
+        "swap-bm32-split3": dict(base, BLOCK_M=32, BLOCK_K=64, SWAP_AB=True, SPLIT_K=3),
+    }
+    gen = torch.Generator().manual_seed(0)
+    seed = 10
+    for M in (1, 5, 33):
+        for K in (32, 64, 96):
+            for N in (16, 48):
+                seed += 1
+                q = make_weight(N, K, seed)
+                w64 = ref.dequantize(*q, dtype=torch.float32).double()
+                x = torch.randn(M, K, generator=gen).bfloat16()
+                dy = torch.randn(M, N, generator=gen).bfloat16()
+                y_ref = gemm.reference_linear(x, *q)
+                dx_ref = gemm.reference_grad_input(dy, *q)
+                # the full grid on the default config; the other configs on a subset
+                names = ["default"] + (["bn32-bk64-split2", "swap-bm32-split3"]
+                                       if (M, K) in ((5, 96), (33, 64), (1, 96)) else [])
+                for name in names:
+                    cfg = configs[name]
+                    tag = f"M{M} K{K} N{N} {name}"
+                    expect("linear " + tag, gemm.linear_w4a16(x, *q, _config=cfg),
+                           y_ref, x.double() @ w64.t(), (M, N))
+                    expect("grad_input " + tag, gemm.grad_input_w4a16(dy, *q, _config=cfg),
+                           dx_ref, dy.double() @ w64, (M, K))
+
+    # bias (bf16 and fp32), leading batch dims, non-contiguous inputs
+    q = make_weight(48, 64, 99)
+    w64 = ref.dequantize(*q, dtype=torch.float32).double()
+    x = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    for bias in (torch.randn(48, generator=gen).bfloat16(), torch.randn(48, generator=gen)):
+        for name, cfg in (("default", None), ("split2", configs["bn32-bk64-split2"])):
+            expect(f"linear bias {bias.dtype} batch {name}",
+                   gemm.linear_w4a16(x, *q, bias=bias, _config=cfg),
+                   gemm.reference_linear(x, *q, bias=bias),
+                   x.double() @ w64.t() + bias.double(), (2, 3, 48))
+    xt = torch.randn(64, 9, generator=gen).bfloat16().t()  # [9, 64], strides (1, 9)
+    assert not xt.is_contiguous()
+    expect("linear non-contiguous x", gemm.linear_w4a16(xt, *q), gemm.reference_linear(xt, *q),
+           xt.double() @ w64.t(), (9, 48))
+    xs = torch.randn(10, 128, generator=gen).bfloat16()[::2, ::2]  # [5, 64], strides (256, 2)
+    expect("linear strided x", gemm.linear_w4a16(xs, *q), gemm.reference_linear(xs, *q),
+           xs.double() @ w64.t(), (5, 48))
+    dy = torch.randn(4, 2, 48, generator=gen).bfloat16().transpose(0, 1)  # [2, 4, 48]
+    expect("grad_input batch non-contiguous dy", gemm.grad_input_w4a16(dy, *q),
+           gemm.reference_grad_input(dy, *q), dy.double() @ w64, (2, 4, 64))
+    # the counter buffer is left zeroed by split-K launches
+    checks += 1
+    for buf in gemm._COUNTERS.values():
+        if int(buf.abs().sum()) != 0:
+            failures.append("split-K counters not reset to 0")
+    return {"interpreted": isinstance(gemm._w4a16_kernel, InterpretedFunction),
+            "checks": checks, "failures": failures, "worst": worst}
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-check"]:
+    print(json.dumps(_interpreter_check()))
