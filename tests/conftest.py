@@ -98,3 +98,23 @@ def smollm2_nvfp4(smollm2_artifact) -> Path:
         shutil.rmtree(out, ignore_errors=True)
         run_cli("components.quantize", "--input", str(smollm2_artifact), "--output", str(out))
     return out
+
+
+def kfp_argv(spec_path: Path, outputs_dir: Path | None = None, **inputs) -> list[str]:
+    """The command line KFP gives a component.yaml's container for these inputs (inputs left out
+    take their defaults), as a local argv: `python` becomes this interpreter."""
+    import yaml
+
+    spec = yaml.safe_load(Path(spec_path).read_text())
+    defaults = {i["name"]: i.get("default", "") for i in spec.get("inputs", [])}
+    values = {**defaults, **inputs}
+    c = spec["implementation"]["container"]
+    argv = []
+    for a in [*c["command"], *c.get("args", [])]:
+        if isinstance(a, dict) and "inputValue" in a:
+            argv.append(str(values[a["inputValue"]]))
+        elif isinstance(a, dict) and "outputPath" in a:
+            argv.append(str((outputs_dir or Path("/tmp")) / a["outputPath"]))
+        else:
+            argv.append(str(a))
+    return [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]

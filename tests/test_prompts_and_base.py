@@ -92,7 +92,7 @@ def test_prompts_from_reasoning_gym_to_s3(smollm2_artifact, s3_bucket, tmp_path)
 
 @pytest.mark.parametrize("args, msg", [
     (["--reasoning-gym", "basic_arithmetic"], "needs --size"),
-    (["--reasoning-gym", "no_such_task", "--size", "3"], "unknown reasoning-gym generator"),
+    (["--reasoning-gym", "no_such_task", "--size", "3"], "reasoning-gym generator 'no_such_task'"),
     (["--gsm8k-jsonl", "missing.jsonl"], "file not found"),
     (["--gsm8k-jsonl", "x.jsonl", "--reasoning-gym", "basic_arithmetic", "--size", "2"], "exactly one source"),
     (["--reasoning-gym", "basic_arithmetic", "--size", "3", "--eval-fraction", "1.5"], "eval-fraction"),

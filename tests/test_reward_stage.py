@@ -23,7 +23,7 @@ import yaml
 
 from components.common.schemas import REWARDS, ROLLOUTS, read_artifact_table, read_ipc, to_table, write_ipc
 from components.common.storage import Artifact, Staging, exists
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, kfp_argv, run_cli
 
 COMPLETIONS = {  # (prompt_id, sample_index): (completion, gold, n_tokens, finish_reason)
     ("p1", 0): ("<think>6*7</think> <answer>42</answer>", "42", 6, "stop"),
@@ -154,19 +154,17 @@ def test_shards_round_trip(root):
     assert all(math.isfinite(v) for v in rewards.column("reward").to_pylist())
 
 
-def test_component_yaml_shim_runs_the_stage(tmp_path):
-    """Run components/reward/component.yaml's command as KFP would (sh + its three args)."""
-    spec = yaml.safe_load((ROOT / "components/reward/component.yaml").read_text())
-    c = spec["implementation"]["container"]
-    assert c["image"] == "qerl/reward:0.1.0"
-    assert [a["inputValue"] for a in c["args"]] == ["rollouts", "output", "config"]
+def test_component_yaml_runs_the_stage(tmp_path):
+    """Run components/reward/component.yaml's command line as KFP would render it."""
+    spec_path = ROOT / "components/reward/component.yaml"
+    assert yaml.safe_load(spec_path.read_text())["implementation"]["container"]["image"] == "qerl/reward:0.1.0"
     prefix = publish_rollouts(str(tmp_path / "run"))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
     for name, config, want in [("a", "", 0.55), ("b", "reward: [gsm8k:2]", 1.0)]:
         out = str(tmp_path / f"rewards-{name}")
-        proc = subprocess.run([*c["command"], prefix, out, config], cwd=ROOT, env=env, capture_output=True, text=True)
+        argv = kfp_argv(spec_path, rollouts=prefix, output=out, config=config)
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert Artifact(out).read_json("metrics.json")["reward_mean"] == pytest.approx(want)
-    proc = subprocess.run([*c["command"], prefix, str(tmp_path / "bad"), "reward: [nope]"], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+    argv = kfp_argv(spec_path, rollouts=prefix, output=str(tmp_path / "bad"), config="reward: [nope]")
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown reward 'nope'" in proc.stderr

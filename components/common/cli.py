@@ -69,7 +69,11 @@ def build_parser(prog: str, description: str, config_cls) -> argparse.ArgumentPa
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="YAML file with any of the fields below; flags override it")
+    p.add_argument("--config-text", metavar="YAML", help="the same as YAML text (how KFP components pass it); "
+                   "applied after --config")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    p.add_argument("--output-uri-file", metavar="PATH", help="after publishing, write the output URI here "
+                   "(a KFP output parameter)")
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         tp, is_list = _base_type(hints[f.name])
@@ -90,31 +94,39 @@ def build_parser(prog: str, description: str, config_cls) -> argparse.ArgumentPa
     return p
 
 
+def _config_mapping(config_cls, text: str, where: str) -> dict:
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a mapping of field: value")
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return data
+
+
 def load_config(config_cls, argv: list[str] | None, prog: str, description: str):
     """Parse argv into a validated config: YAML file first, then explicit flags."""
     parser = build_parser(prog, description, config_cls)
     args = vars(parser.parse_args(argv))
     debug = args.pop("debug")
+    uri_file = args.pop("output_uri_file", None)
     values: dict[str, Any] = {}
-    path = args.pop("config", None)
+    path, text = args.pop("config", None), args.pop("config_text", None)
     if path:
         try:
             with open(path) as fh:
-                data = yaml.safe_load(fh) or {}
+                values.update(_config_mapping(config_cls, fh.read(), f"--config {path}"))
         except OSError as e:
             raise ConfigError(f"cannot read --config {path}: {e.strerror}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {path} is not valid YAML: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"--config {path} must hold a mapping of field: value")
-        known = {f.name for f in dataclasses.fields(config_cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"--config {path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values.update(data)
+    if text and text.strip():
+        values.update(_config_mapping(config_cls, text, "--config-text"))
     values.update(args)
     try:
-        return config_cls(**values), debug
+        return config_cls(**values), debug, uri_file
     except TypeError as e:
         raise ConfigError(str(e)) from e
 
@@ -130,8 +142,12 @@ def run_stage(main: Callable[[Any], Any], config_cls, argv: list[str] | None = N
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     setup_logging(debug)
     try:
-        cfg, debug = load_config(config_cls, argv, prog, description)
+        cfg, debug, uri_file = load_config(config_cls, argv, prog, description)
         main(cfg)
+        if uri_file:
+            os.makedirs(os.path.dirname(os.path.abspath(uri_file)), exist_ok=True)
+            with open(uri_file, "w") as fh:
+                fh.write(cfg.output)
         return 0
     except USER_ERRORS as e:
         if debug:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .storage import list_artifacts, parse_uri
+from .storage import StorageError, list_artifacts, parse_uri
 
 _RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
@@ -81,12 +81,30 @@ class RunLayout:
     def report(self) -> str:
         return self._at("report")
 
+    def rollouts_prefix(self, i: int, version: int = 1) -> str:
+        """The prefix under which all rollout shards of iteration i (of one version) live."""
+        return self._at(f"iter-{i:04d}", _versioned("rollouts", version))
+
+    def versions(self, uri_v1: str) -> list[int]:
+        """Published versions of the artifact (or artifact prefix) whose first version is `uri_v1`."""
+        parent, name = parse_uri(uri_v1).uri.rsplit("/", 1)
+        found = set()
+        for uri in list_artifacts(parent):
+            first = uri[len(parent) + 1:].split("/", 1)[0]
+            if first == name:
+                found.add(1)
+            elif first.startswith(name + ".v") and first[len(name) + 2:].isdigit():
+                found.add(int(first[len(name) + 2:]))
+        return sorted(found)
+
+    def latest(self, uri_v1: str) -> str:
+        """The newest published version's URI (what a rerun reads)."""
+        versions = self.versions(uri_v1)
+        if not versions:
+            raise StorageError(f"nothing published at {uri_v1} (or any newer version of it)")
+        parent, name = parse_uri(uri_v1).uri.rsplit("/", 1)
+        return f"{parent}/{_versioned(name, versions[-1])}"
+
     def next_version(self, uri_v1: str) -> int:
-        """The first version number not yet published for the artifact whose v1 is `uri_v1`."""
-        loc = parse_uri(uri_v1)
-        parent, name = loc.uri.rsplit("/", 1)
-        taken = {a.rsplit("/", 1)[1] for a in list_artifacts(parent)}
-        v = 1
-        while _versioned(name, v) in taken:
-            v += 1
-        return v
+        """The version a rerun publishes: one past the newest."""
+        return (self.versions(uri_v1) or [0])[-1] + 1

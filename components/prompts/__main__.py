@@ -38,6 +38,7 @@ class PromptsConfig:
     gsm8k_jsonl: str = field("", help="GSM8K-style JSONL file (question, answer with '#### final')")
     reasoning_gym: str = field("", help="reasoning-gym generator name, e.g. basic_arithmetic")
     size: int = field(0, help="number of tasks to generate with --reasoning-gym")
+    reasoning_gym_config: dict = field(default_factory=dict, help="generator options, e.g. {max_digits: 2} for basic_arithmetic")
     table: str = field("", help="Parquet/Arrow file with question and answer columns")
     limit: int = field(0, help="keep at most this many tasks from a file source (0 = all)")
     seed: int = field(0, help="seed of the generator and of the train/eval split")
@@ -74,9 +75,10 @@ def load_tasks(cfg: PromptsConfig) -> tuple[list[dict], str]:
     if cfg.reasoning_gym:
         import reasoning_gym
         try:
-            data = reasoning_gym.create_dataset(cfg.reasoning_gym, size=cfg.size, seed=cfg.seed)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"unknown reasoning-gym generator {cfg.reasoning_gym!r}: {e}") from e
+            data = reasoning_gym.create_dataset(cfg.reasoning_gym, size=cfg.size, seed=cfg.seed,
+                                                **cfg.reasoning_gym_config)
+        except (KeyError, ValueError, TypeError, AssertionError) as e:
+            raise ConfigError(f"reasoning-gym generator {cfg.reasoning_gym!r} with {cfg.reasoning_gym_config}: {e}") from e
         tasks = [{"question": e["question"], "answer": str(e["answer"]), "solution": ""} for e in data]
         return tasks, f"reasoning_gym:{cfg.reasoning_gym}"
     path = cfg.gsm8k_jsonl or cfg.table

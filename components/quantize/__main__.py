@@ -8,9 +8,9 @@ lm_head stay as they are. q/k/v and gate/up share one global scale (vLLM fuses t
 Linear whose input size is not a multiple of 16 stays bf16 and is added to `ignore`.
 
 It streams: tensors are read lazily from the source shards one decoder layer at a time and
-written to output shards of at most `--max-shard-mb`, so peak host memory is about one
-layer group plus one output shard, not the model. Kernels: Triton on a GPU, the plain-torch
-reference on the CPU (bit-identical). Metrics: each layer's relative error ‖Ŵ−W‖/‖W‖,
+written to output shards of at most `--max-shard-mb`, so peak host memory is about one layer
+group plus two output shards (safetensors serializes a shard in memory), not the model.
+Kernels: Triton on a GPU, the plain-torch reference on the CPU (bit-identical). Metrics: each layer's relative error ‖Ŵ−W‖/‖W‖,
 throughput and peak memory.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class QuantizeConfig:
     input: str = field("", help="bf16 HF checkpoint: a published artifact, an HF checkpoint dir or s3 prefix", metavar="SRC")
     output: str = field("", help="URI to publish the NVFP4 checkpoint at", metavar="DST")
     device: str = field("auto", help="'auto' (cuda if present, else cpu), 'cuda' or 'cpu'")
-    max_shard_mb: int = field(2048, help="largest output safetensors shard, in MB")
+    max_shard_mb: int = field(1024, help="largest output safetensors shard, in MB (peak memory holds about two)")
     overwrite: bool = field(False, help="replace an artifact already published at --output")
 
     def __post_init__(self):
@@ -173,20 +173,20 @@ def quantize_checkpoint(src: Path, dst: Path, device: str, max_shard_mb: int) ->
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     index = tensor_index(src)
-    handles: dict[Path, object] = {}
 
+    # Each read opens its shard and closes it again: a mapping kept open would keep every
+    # page already read resident, and peak memory would grow to the whole model.
     def load(name: str):
-        if index[name] not in handles:
-            handles[index[name]] = safe_open(index[name], "pt", device="cpu")
-        return handles[index[name]].get_tensor(name)
+        with safe_open(index[name], "pt", device="cpu") as f:
+            return f.get_tensor(name)
 
-    def shape(name: str) -> tuple:
-        if index[name] not in handles:
-            handles[index[name]] = safe_open(index[name], "pt", device="cpu")
-        return tuple(handles[index[name]].get_slice(name).get_shape())
+    shapes = {}
+    for shard in sorted(set(index.values())):
+        with safe_open(shard, "pt", device="cpu") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
 
     names = sorted(index)
-    layers, kept, ignored = plan(names, {n: shape(n) for n in names})
+    layers, kept, ignored = plan(names, shapes)
     if not layers:
         raise ConfigError(f"{src} has no decoder Linear weights (nothing matches 'layers.N.*.weight')")
     if ignored:
