@@ -1,0 +1,324 @@
+"""The train stage's core, without I/O: the rollout batch, one iteration's update, the state.
+
+    batch = load_batch(rollouts, rewards)              joined, validated, sorted
+    policy = build_policy(ckpt_dir, cfg)               NVFP4 base + LoRA (seeded)
+    opt, sched = make_optimizer(policy, cfg)           AdamW + warm-up/cosine LambdaLR
+    restore_state(state, policy, opt, sched)           resume: optimizer, schedule, RNG
+    metrics = train_iteration(policy, opt, sched, batch, cfg)
+    state = trainer_state(opt, sched, cfg, adapter_sha)
+
+`train_iteration` is what one `python -m components.train` run does between reading and
+publishing; calling it twice in one process is the "uninterrupted" reference that a resumed
+run (adapter + trainer_state.pt) reproduces.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+import resource
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+from torch import Tensor
+
+from components.common.cli import ConfigError
+from components.common.schemas import SchemaError
+from components.reward.validate import check_rewards
+from components.train import objective as O
+from components.train.model import attach_lora, load_base, logprobs, reference_logprobs
+
+log = logging.getLogger("qerl.train")
+
+STATE_FORMAT = "qerl-train-state/1"
+
+
+# ----------------------------------------------------------------------------- the batch
+
+@dataclass
+class Batch:
+    """One iteration's rollouts joined with their rewards, sorted by (prompt_id, sample_index)."""
+    prompt_ids: list[str]
+    sample_index: list[int]
+    prompt_tokens: list[list[int]]
+    completion_tokens: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    truncated: list[bool]
+    rewards: Tensor              # [N] float64
+    group_size: int
+    iterations: list[int]
+    adapter_digests: list[str]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+def load_batch(rollouts: pa.Table, rewards: pa.Table, where: str = "rewards") -> Batch:
+    """Join rollouts and rewards on (prompt_id, sample_index); SchemaError on bad input.
+
+    Checks, in order: the reward contract (`check_rewards`: schema, every sample scored once,
+    no stray rows, finite values), unique rollout keys, complete groups (every prompt has
+    the same number of samples), token/logprob consistency. (`check_vocab` checks the ids.)
+    """
+    keys = list(zip(rollouts.column("prompt_id").to_pylist(), rollouts.column("sample_index").to_pylist()))
+    dup = [k for k, c in Counter(keys).items() if c > 1]
+    if dup:
+        raise SchemaError(f"rollouts: sample {dup[0][0]}#{dup[0][1]} appears more than once")
+    check_rewards(rollouts, rewards, where)
+    if not keys:
+        raise SchemaError("rollouts: the batch is empty")
+    sizes = Counter(k[0] for k in keys)
+    common = Counter(sizes.values()).most_common(1)[0][0]
+    odd = sorted(p for p, n in sizes.items() if n != common)
+    if odd:
+        raise SchemaError(f"rollouts: incomplete groups: prompt {odd[0]} has {sizes[odd[0]]} sample(s), "
+                          f"{len(sizes) - len(odd)} other prompt(s) have {common} "
+                          f"({len(odd)} prompt(s) differ); every prompt needs the same number of samples")
+    reward_of = dict(zip(zip(rewards.column("prompt_id").to_pylist(), rewards.column("sample_index").to_pylist()),
+                         rewards.column("reward").to_pylist()))
+    cols = {c: rollouts.column(c).to_pylist() for c in
+            ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason",
+             "iteration", "adapter_digest")}
+    order = sorted(range(len(keys)), key=lambda i: keys[i])
+    for i in order:
+        pid, si = keys[i]
+        p, c, lp = cols["prompt_token_ids"][i], cols["completion_token_ids"][i], cols["completion_logprobs"][i]
+        if not p:
+            raise SchemaError(f"rollouts: sample {pid}#{si} has an empty prompt")
+        if len(lp) != len(c):
+            raise SchemaError(f"rollouts: sample {pid}#{si} has {len(c)} completion tokens but {len(lp)} logprobs")
+        if any(math.isnan(x) or x > 1e-3 for x in lp):
+            raise SchemaError(f"rollouts: sample {pid}#{si} has a NaN or positive completion logprob")
+    pick = lambda name: [cols[name][i] for i in order]  # noqa: E731
+    return Batch(
+        prompt_ids=[keys[i][0] for i in order], sample_index=[keys[i][1] for i in order],
+        prompt_tokens=pick("prompt_token_ids"), completion_tokens=pick("completion_token_ids"),
+        rollout_logprobs=pick("completion_logprobs"),
+        truncated=[f == "length" for f in pick("finish_reason")],
+        rewards=torch.tensor([reward_of[keys[i]] for i in order], dtype=torch.float64),
+        group_size=common, iterations=pick("iteration"), adapter_digests=pick("adapter_digest"),
+    )
+
+
+def check_vocab(batch: Batch, vocab_size: int | None) -> None:
+    """SchemaError if a token id falls outside the model's vocabulary (a rollout of another model)."""
+    if vocab_size is None:
+        return
+    for pid, si, p, c in zip(batch.prompt_ids, batch.sample_index, batch.prompt_tokens, batch.completion_tokens):
+        if any(t < 0 or t >= vocab_size for t in p + c):
+            raise SchemaError(f"rollouts: sample {pid}#{si} has a token id outside the model's vocabulary "
+                              f"[0, {vocab_size}): rollouts of another model?")
+
+
+def _collate(batch: Batch, rows: list[int], device) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded input_ids, attention_mask, completion_mask [b, L] for `rows`."""
+    seqs = [batch.prompt_tokens[i] + batch.completion_tokens[i] for i in rows]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    am = torch.zeros(len(rows), width, dtype=torch.long)
+    cm = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, (i, s) in enumerate(zip(rows, seqs)):
+        ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+        am[r, :len(s)] = 1
+        cm[r, len(batch.prompt_tokens[i]):len(s)] = True
+    return ids.to(device), am.to(device), cm.to(device)
+
+
+def _scatter(values: list[Tensor], mask: Tensor) -> Tensor:
+    """Per-row 1-D completion values -> [b, L] float32 at mask positions (0 elsewhere)."""
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if values:
+        out[mask] = torch.cat([v.to(mask.device, torch.float32) for v in values])
+    return out
+
+
+# ----------------------------------------------------------------------------- policy + optimizer
+
+def build_policy(ckpt_dir, cfg, device: torch.device, base_name: str | None = None):
+    """NVFP4 base + fresh LoRA, seeded by cfg.seed (LoRA A init), gradient checkpointing opt."""
+    base = load_base(ckpt_dir, device=device)
+    torch.manual_seed(cfg.seed)
+    policy = attach_lora(base, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                         base_name=base_name)
+    if cfg.gradient_checkpointing:
+        policy.base_model.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy
+
+
+def trainable(policy) -> list[torch.nn.Parameter]:
+    return [p for p in policy.parameters() if p.requires_grad]
+
+
+def make_optimizer(policy, cfg):
+    opt = torch.optim.AdamW(trainable(policy), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
+        O.lr_lambda, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps, min_ratio=cfg.min_lr_ratio))
+    return opt, sched
+
+
+def rng_state() -> dict:
+    out = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainer_state(opt, sched, cfg, adapter_sha256: str, step: int) -> dict:
+    """Everything a resumed run needs besides the adapter weights."""
+    return {"format": STATE_FORMAT, "step": step, "iteration": cfg.iteration,
+            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(),
+            "lora": {"r": cfg.lora_rank, "alpha": cfg.lora_alpha}, "adapter_sha256": adapter_sha256}
+
+
+def restore_state(state: dict, opt, sched, cfg, adapter_sha256: str | None, where: str) -> int:
+    """Load optimizer, schedule position and RNG from a trainer_state dict; return the step.
+
+    The scheduler's position is the run's optimizer step (LambdaLR.last_epoch)."""
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ConfigError(f"{where} is not a train state ({STATE_FORMAT})")
+    if state["lora"] != {"r": cfg.lora_rank, "alpha": cfg.lora_alpha}:
+        raise ConfigError(f"{where} was saved for LoRA {state['lora']}, the config has "
+                          f"r={cfg.lora_rank}, alpha={cfg.lora_alpha}")
+    if adapter_sha256 is not None and state.get("adapter_sha256") != adapter_sha256:
+        raise ConfigError(f"{where} was saved together with a different adapter than --adapter "
+                          "(pass the adapter published with that state)")
+    try:
+        opt.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{where}: the optimizer state does not fit this adapter: {e}") from e
+    sched.load_state_dict(state["scheduler"])
+    # The config's lr and schedule are authoritative; the state carries the position only.
+    sched.base_lrs = [cfg.lr for _ in opt.param_groups]
+    for g, lr in zip(opt.param_groups, sched.base_lrs):
+        g["initial_lr"] = lr
+        g["lr"] = lr * O.lr_lambda(sched.last_epoch, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
+        g["weight_decay"], g["eps"] = cfg.weight_decay, cfg.adam_eps
+        g["betas"] = (cfg.adam_beta1, cfg.adam_beta2)
+    sched._last_lr = [g["lr"] for g in opt.param_groups]
+    set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+# ----------------------------------------------------------------------------- one iteration
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device) -> dict:
+    """Advantages, logp_old (+ ref), then `epochs` optimizer steps over the batch. Metrics."""
+    obj = cfg.objective()
+    t0 = time.time()
+    adv, keep, gstats = O.group_advantages(batch.rewards, batch.prompt_ids, obj)
+    rows = [i for i in range(len(batch)) if keep[i]]
+    counts = [len(batch.completion_tokens[i]) for i in rows]
+    trunc = [batch.truncated[i] for i in rows]
+    norm = O.loss_normalizer(counts, obj, trunc) if rows else 0.0
+    metrics: dict = {
+        "iteration": cfg.iteration, "sequences": len(batch), "group_size": batch.group_size,
+        "num_groups": gstats["num_groups"], "tied_groups": gstats["tied_groups"],
+        "dropped_groups": gstats["dropped_groups"],
+        "dropped_group_fraction": gstats["dropped_group_fraction"],
+        "kept_sequences": len(rows), "reward_mean": gstats["reward_mean"], "reward_std": gstats["reward_std"],
+        "completion_tokens": int(sum(len(c) for c in batch.completion_tokens)),
+        "truncated_fraction": sum(batch.truncated) / len(batch), "loss_normalizer": norm,
+        "step_before": sched.last_epoch,
+    }
+    if not rows or norm <= 0:
+        why = ("every group's rewards tie (dynamic sampling dropped all groups)" if not rows else
+               "no loss token is left (all kept completions are empty or masked as truncated)")
+        log.warning("no update this iteration: %s; publishing the adapter unchanged", why)
+        metrics.update(updated=False, skipped_reason=why, optimizer_steps=0, step_after=sched.last_epoch,
+                       seconds=time.time() - t0, peak_memory_mb=_peak_memory_mb(device))
+        return metrics
+
+    mbs = [[rows[j] for j in mb] for mb in
+           O.micro_batches([len(batch.prompt_tokens[i]) + len(batch.completion_tokens[i]) for i in rows],
+                           obj.micro_batch_tokens, sort_by_length=True)]
+    adv = adv.to(torch.float32)
+    truncated = torch.tensor(batch.truncated, dtype=torch.bool)
+
+    # logp_old (and the policy's entropy) before any update; the reference if KL is on.
+    policy.eval()
+    old: dict[int, Tensor] = {}
+    ref: dict[int, Tensor] = {}
+    ent_sum, ent_n = 0.0, 0
+    with torch.no_grad():
+        for mb in mbs:
+            ids, am, cm = _collate(batch, mb, device)
+            lp, ent = logprobs(policy, ids, am, cm, temperature=cfg.temperature, with_entropy=True)
+            n = int(cm.sum())
+            ent_sum, ent_n = ent_sum + float(ent) * n, ent_n + n
+            for r, i in enumerate(mb):
+                old[i] = lp[r][cm[r]].cpu()
+            if obj.kl_beta > 0:
+                lr_ = reference_logprobs(policy, ids, am, cm, temperature=cfg.temperature)
+                for r, i in enumerate(mb):
+                    ref[i] = lr_[r][cm[r]].cpu()
+    t_old = time.time()
+
+    params = trainable(policy)
+    policy.train()
+    epochs, tokens_seen, t_upd = [], 0, time.time()
+    for epoch in range(obj.epochs):
+        opt.zero_grad(set_to_none=True)
+        acc: dict[str, float] = {}
+        loss_sum, n_tok = 0.0, 0.0
+        for mb in mbs:
+            ids, am, cm = _collate(batch, mb, device)
+            new, _ = logprobs(policy, ids, am, cm, temperature=cfg.temperature)
+            roll = _scatter([torch.tensor(batch.rollout_logprobs[i]) for i in mb], cm)
+            old_t = _scatter([old[i] for i in mb], cm)
+            ref_t = _scatter([ref[i] for i in mb], cm) if obj.kl_beta > 0 else None
+            loss, m = O.policy_loss(new, old_t, roll, adv[mb].to(device), cm, obj, ref_t,
+                                    truncated=truncated[mb].to(device), normalizer=norm)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            w = float(m["num_tokens"])
+            n_tok += w
+            for k, v in m.items():
+                if k not in ("num_tokens", "num_sequences"):
+                    acc[k] = acc.get(k, 0.0) + float(v) * w
+            tokens_seen += int(am.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} in epoch {epoch}: "
+                                     "nothing is published")
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        e = {k: v / max(n_tok, 1.0) for k, v in acc.items()}
+        e.update(loss=loss_sum, grad_norm=float(grad_norm), lr=lr, loss_tokens=n_tok)
+        epochs.append(e)
+        log.info("epoch %d/%d: loss %.5f, grad norm %.4f, lr %.3g, clip %.3f, approx KL %.2e",
+                 epoch + 1, obj.epochs, e["loss"], e["grad_norm"], lr, e["clip_fraction"], e["approx_kl"])
+    t_end = time.time()
+    first, last = epochs[0], epochs[-1]
+    metrics.update(
+        updated=True, optimizer_steps=obj.epochs, step_after=sched.last_epoch, micro_batches=len(mbs),
+        loss=last["loss"], entropy=ent_sum / max(ent_n, 1), clip_fraction=last["clip_fraction"],
+        approx_kl=last["approx_kl"], grad_norm=last["grad_norm"], lr=last["lr"],
+        ratio_mean=last["ratio_mean"],
+        rollout_logp_abs_diff=first.get("rollout_logp_abs_diff"), rollout_kl=first.get("rollout_kl"),
+        tis_weight_mean=first.get("tis_weight_mean"), tis_capped_fraction=first.get("tis_capped_fraction"),
+        ref_kl=last.get("ref_kl"), epochs=epochs,
+        seconds_logp_old=t_old - t0, seconds_update=t_end - t_upd, seconds=t_end - t0,
+        tokens_per_s=tokens_seen / max(t_end - t_upd, 1e-9),
+        peak_memory_mb=_peak_memory_mb(device),
+    )
+    return metrics

@@ -1,0 +1,212 @@
+"""A frozen NVFP4 (W4A16) Linear layer for training LoRA adapters on a 4-bit base.
+
+`NVFP4Linear` keeps a compressed-tensors ``nvfp4-pack-quantized`` weight exactly as the
+checkpoint stores it, as buffers (never parameters: the base is frozen):
+
+    weight_packed        uint8          [out, in/2]   two E2M1 codes per byte
+    weight_scale         float8_e4m3fn  [out, in/16]  one scale per block of 16 inputs
+    weight_global_scale  float32        [1]           divisor of the block scales
+    bias                 (optional)     [out]         frozen, in the compute dtype
+
+i.e. 0.5 + 1/16 = 0.5625 bytes per weight. `forward` runs through `W4A16Function`:
+Y = X·Ŵᵀ (+ bias), and its backward computes only dX = dY·Ŵ; there is no weight gradient
+and X is not saved for backward (only the packed weight is, by reference).
+
+The GEMMs go through `_backend(x)`, the one place that picks the implementation:
+
+* a bf16 CUDA tensor and `kernels/nvfp4/gemm.py` present: its fused Triton kernels
+  `linear_w4a16` / `grad_input_w4a16`, which never materialize Ŵ;
+* otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
+  byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
+  decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
+  duration of the call.
+
+PEFT: the layer deliberately has no `.weight` attribute (anything that touches `.weight`
+would otherwise silently get a dense copy). `qweight` names the packed tensor, the
+convention PEFT uses to find a quantized layer's device; `dequantize_weight()` is the
+explicit way to obtain Ŵ. The LoRA wrapper lives in `components.train.model`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from functools import lru_cache
+
+import torch
+from torch import Tensor, nn
+
+from . import reference
+from .reference import BLOCK
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NVFP4Linear", "W4A16Function", "dequantize", "linear_w4a16", "grad_input_w4a16", "backend_name"]
+
+
+# ----------------------------------------------------------------------------- backends
+
+@lru_cache(maxsize=1)
+def _fused():
+    """The fused Triton module `kernels.nvfp4.gemm`, or None when it is absent/unimportable."""
+    if importlib.util.find_spec(f"{__package__}.gemm") is None:
+        return None
+    try:
+        return importlib.import_module(f"{__package__}.gemm")
+    except Exception as e:  # noqa: BLE001 - a broken optional kernel must not kill training
+        log.warning("kernels.nvfp4.gemm exists but does not import (%s: %s); using the "
+                    "dequantize + matmul reference", type(e).__name__, e)
+        return None
+
+
+@lru_cache(maxsize=8)
+def _byte_table(device: torch.device) -> Tensor:
+    """float32 [256, 2]: the two E2M1 values of every packed byte (low nibble first)."""
+    codes = torch.arange(256, device=device, dtype=torch.uint8)
+    return torch.stack((reference.e2m1_values(codes & 0xF), reference.e2m1_values(codes >> 4)), -1).contiguous()
+
+
+def dequantize(packed: Tensor, scale: Tensor, gscale: Tensor, dtype: torch.dtype) -> Tensor:
+    """`reference.dequantize`, bit for bit, ~3x faster: one byte-table lookup instead of unpack,
+    decode and select (same float32 product E2M1 * (s / g), rounded once to `dtype`)."""
+    out, half = packed.shape
+    inn = half * 2
+    if tuple(scale.shape) != (out, inn // BLOCK):
+        raise ValueError(f"weight_scale shape {tuple(scale.shape)} does not fit weight_packed {tuple(packed.shape)}")
+    vals = torch.nn.functional.embedding(packed.int(), _byte_table(packed.device)).view(out, inn // BLOCK, BLOCK)
+    s_eff = scale.to(torch.float32) / gscale.to(torch.float32).reshape(1)
+    return (vals * s_eff.unsqueeze(-1)).view(out, inn).to(dtype)
+
+
+class _Reference:
+    """Dequantize to the activation dtype, then a dense matmul (CPU, or no fused kernel).
+    Ŵ exists only for the duration of one call."""
+
+    name = "reference"
+
+    @staticmethod
+    def linear_w4a16(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+        return x @ dequantize(packed, scale, gscale, x.dtype).t()
+
+    @staticmethod
+    def grad_input_w4a16(dy: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+        return dy @ dequantize(packed, scale, gscale, dy.dtype)
+
+
+def _backend(x: Tensor):
+    """THE choice of GEMM implementation: the fused Triton kernels for bf16 CUDA activations
+    when `kernels/nvfp4/gemm.py` is there, else dequantize + matmul. QERL_NVFP4_GEMM=reference
+    forces the latter (debugging, A/B timing)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and os.environ.get("QERL_NVFP4_GEMM", "auto") != "reference":
+        fused = _fused()
+        if fused is not None:
+            return fused
+    return _Reference
+
+
+def backend_name(x: Tensor) -> str:
+    b = _backend(x)
+    return "reference" if b is _Reference else "triton"
+
+
+def linear_w4a16(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+    """x [..., in] @ Ŵᵀ -> [..., out] (no autograd; see `W4A16Function`)."""
+    lead = x.shape[:-1]
+    y = _backend(x).linear_w4a16(x.reshape(-1, x.shape[-1]), packed, scale, gscale)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def grad_input_w4a16(dy: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+    """dy [..., out] @ Ŵ -> [..., in]."""
+    lead = dy.shape[:-1]
+    dx = _backend(dy).grad_input_w4a16(dy.reshape(-1, dy.shape[-1]), packed, scale, gscale)
+    return dx.reshape(*lead, dx.shape[-1])
+
+
+class W4A16Function(torch.autograd.Function):
+    """Y = X·Ŵᵀ with a frozen NVFP4 Ŵ: backward returns dX = dY·Ŵ only."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+        ctx.save_for_backward(packed, scale, gscale)
+        return linear_w4a16(x, packed, scale, gscale)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        packed, scale, gscale = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = grad_input_w4a16(dy.contiguous(), packed, scale, gscale)
+        return dx, None, None, None
+
+
+# ----------------------------------------------------------------------------- the module
+
+class NVFP4Linear(nn.Module):
+    """A frozen Linear whose weight is NVFP4 (compressed-tensors `nvfp4-pack-quantized`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"NVFP4Linear needs in_features divisible by {BLOCK}, got {in_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.act_dtype = dtype  # not `compute_dtype`: PEFT would cast adapters to it
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
+                                                          device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK,
+                                                         dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_checkpoint_tensors(cls, weight_packed: Tensor, weight_scale: Tensor, weight_global_scale: Tensor,
+                                bias: Tensor | None = None, *, dtype: torch.dtype = torch.bfloat16,
+                                name: str = "layer") -> "NVFP4Linear":
+        """Build from the three checkpoint tensors (+ bias), checking dtypes and shapes."""
+        if weight_packed.dtype != torch.uint8 or weight_packed.ndim != 2:
+            raise ValueError(f"{name}.weight_packed must be uint8 [out, in/2], got "
+                             f"{weight_packed.dtype} {tuple(weight_packed.shape)}")
+        out, half = weight_packed.shape
+        inn = half * 2
+        if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (out, inn // BLOCK):
+            raise ValueError(f"{name}.weight_scale must be float8_e4m3fn {(out, inn // BLOCK)}, got "
+                             f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+        g = reference.check_global_scale(weight_global_scale)
+        if bias is not None and tuple(bias.shape) != (out,):
+            raise ValueError(f"{name}.bias must be [{out}], got {tuple(bias.shape)}")
+        mod = cls(inn, out, bias=bias is not None, device="meta", dtype=dtype)
+        mod.weight_packed = weight_packed.contiguous()
+        mod.weight_scale = weight_scale.contiguous()
+        mod.weight_global_scale = g.to(weight_packed.device).contiguous()
+        if bias is not None:
+            mod.bias = bias.to(dtype).contiguous()
+        return mod
+
+    @property
+    def qweight(self) -> Tensor:
+        """The packed weight (PEFT reads `qweight` to place adapters next to quantized layers)."""
+        return self.weight_packed
+
+    def dequantize_weight(self, dtype: torch.dtype | None = None) -> Tensor:
+        """Ŵ [out, in], materialized (tests, merging, export)."""
+        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale,
+                          dtype or self.act_dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = W4A16Function.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def nbytes(self) -> int:
+        """Bytes held by the frozen weight (packed codes + scales + global scale + bias)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format=nvfp4-pack-quantized, frozen")
