@@ -11,11 +11,8 @@ one `rollouts` prefix. Expected rewards (defaults gsm8k:1.0 + format:0.1), decid
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import subprocess
-import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pytest

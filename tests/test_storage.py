@@ -1,7 +1,6 @@
 """Storage contract, against a real S3 endpoint (moto server) and local paths."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -94,7 +94,8 @@ def build_parser(prog: str, description: str, config_cls) -> argparse.ArgumentPa
     return p
 
 
-def _config_mapping(config_cls, text: str, where: str) -> dict:
+def config_mapping(config_cls, text: str, where: str) -> dict:
+    """The YAML mapping in `text`, checked against the fields of `config_cls`."""
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
@@ -119,11 +120,11 @@ def load_config(config_cls, argv: list[str] | None, prog: str, description: str)
     if path:
         try:
             with open(path) as fh:
-                values.update(_config_mapping(config_cls, fh.read(), f"--config {path}"))
+                values.update(config_mapping(config_cls, fh.read(), f"--config {path}"))
         except OSError as e:
             raise ConfigError(f"cannot read --config {path}: {e.strerror}") from e
     if text and text.strip():
-        values.update(_config_mapping(config_cls, text, "--config-text"))
+        values.update(config_mapping(config_cls, text, "--config-text"))
     values.update(args)
     try:
         return config_cls(**values), debug, uri_file

@@ -484,6 +484,18 @@ def list_artifacts(uri: str) -> list[str]:
     return sorted(loc.join(rel).uri for rel in found)
 
 
+def expand_artifacts(uris: list[str], what: str = "artifact") -> list[str]:
+    """Each URI as given if it is a published artifact, else the artifacts published under it
+    (a rollouts prefix → its shards). A URI with neither is an error naming it."""
+    out = []
+    for uri in uris:
+        found = [uri] if exists(uri) else list_artifacts(uri)
+        if not found:
+            raise StorageError(f"no {what} published at or under {uri}")
+        out += found
+    return out
+
+
 def presigned_url(uri: str, expires: int = 3600) -> str:
     """A SigV4 presigned GET URL for one S3 object."""
     loc = parse_uri(uri)

@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from components.common.cli import ConfigError, config_dict, field, require, run_stage
 from components.common.schemas import REWARDS as REWARDS_SCHEMA, read_artifact_table, to_table, write_ipc
-from components.common.storage import Staging, exists, list_artifacts, parse_uri
+from components.common.storage import Staging, expand_artifacts, parse_uri
 from components.reward.rewards import DEFAULT_REWARDS, Sample, combine, parse_reward_spec
 from components.reward.validate import check_rewards
 
@@ -54,17 +54,6 @@ class RewardConfig:
         require(isinstance(self.params, dict), "params must be a mapping {reward: {param: value}}")
         stray = set(self.params) - set(names)
         require(not stray, f"params given for reward(s) not in --reward: {sorted(stray)}")
-
-
-def rollout_artifacts(uris: list[str]) -> list[str]:
-    """Expand prefixes into the shard artifacts published under them."""
-    out = []
-    for uri in uris:
-        found = [uri] if exists(uri) else list_artifacts(uri)
-        if not found:
-            raise ConfigError(f"no rollout shards at {uri}")
-        out += found
-    return out
 
 
 def score(rollouts: pa.Table, specs: list[str], params: dict) -> tuple[pa.Table, dict]:
@@ -100,7 +89,7 @@ def score(rollouts: pa.Table, specs: list[str], params: dict) -> tuple[pa.Table,
 
 
 def main(cfg: RewardConfig) -> None:
-    shards = rollout_artifacts(cfg.rollouts)
+    shards = expand_artifacts(cfg.rollouts, "rollout shard")
     rollouts = pa.concat_tables([read_artifact_table(u, "rollouts") for u in shards])
     if rollouts.num_rows == 0:
         raise ConfigError(f"the rollout shards at {', '.join(cfg.rollouts)} hold no samples")

@@ -21,7 +21,7 @@ import pyarrow as pa
 import yaml
 
 from components.common.schemas import SchemaError, read_artifact_table
-from components.common.storage import Artifact, StorageError, exists, list_artifacts
+from components.common.storage import Artifact, StorageError, exists, expand_artifacts
 from components.reward.validate import check_rewards
 
 REQUIRED_INPUTS = ("rollouts", "output")
@@ -150,16 +150,6 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join("  | " + ln for ln in kept) or "  | (no output on stderr)"
 
 
-def _rollout_artifacts(uris: list[str]) -> list[str]:
-    out = []
-    for uri in uris:
-        found = [uri] if exists(uri) else list_artifacts(uri)
-        if not found:
-            raise RewardPluginError(f"no rollout shards at {uri}")
-        out += found
-    return out
-
-
 def run_custom_reward(command: list[str], rollouts: list[str], output: str, config: str | None = None,
                       *, env: dict | None = None, timeout: float | None = None) -> pa.Table:
     """Run a reward container's command locally and return its validated reward table.
@@ -197,7 +187,10 @@ def run_custom_reward(command: list[str], rollouts: list[str], output: str, conf
         rewards = read_artifact_table(output, "rewards", [SHARD])
         if "metrics.json" in art.objects and not isinstance(art.read_json("metrics.json"), dict):
             raise SchemaError(f"{output}/metrics.json must hold a JSON object")
-        shards = _rollout_artifacts(rollouts)
+        try:
+            shards = expand_artifacts(rollouts, "rollout shard")
+        except StorageError as e:
+            raise RewardPluginError(str(e)) from e
         rollout_table = pa.concat_tables([read_artifact_table(u, "rollouts") for u in shards])
         check_rewards(rollout_table, rewards, where=f"reward shard {output}/{SHARD}")
     except (SchemaError, StorageError, json.JSONDecodeError) as e:

@@ -265,9 +265,11 @@ def _num_sms(device: torch.device) -> int:
 def _prune(configs, named_args, **kwargs):
     """The configs of M's bucket; split-K only while there are fewer than ~2 waves of output
     tiles, at most ~4 waves of programs, and every split gets ≥ 2 K tiles."""
-    m, n_out, red = named_args["M"], named_args["N_OUT"], named_args["RED"]
-    m_bucket = named_args["M_BUCKET"]
-    sms = _num_sms(named_args["a_ptr"].device)
+    # Triton 3.6 passes keyword launch arguments in kwargs, not named_args (3.9 merges them).
+    args = {**kwargs, **named_args}
+    m, n_out, red = args["M"], args["N_OUT"], args["RED"]
+    m_bucket = args["M_BUCKET"]
+    sms = _num_sms(args["a_ptr"].device)
     if m_bucket <= 32:
         ids, bms = _SMALL_IDS, ((16,) if m_bucket <= 16 else (32,))
     elif m_bucket <= 512:
@@ -406,7 +408,7 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
 
         kernel[grid](
             a2, packed, scale, g, bias_arg, out, ws, cnt,
-            M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), **common,
+            M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), M_BUCKET=m_bucket, **common,
         )
     return out.reshape(*lead, n_out)
 
