@@ -391,11 +391,12 @@ def cmd_rerun(cfg: RunConfig, args) -> None:
 # --------------------------------------------------------------------------- report
 
 def collect_metrics(cfg: RunConfig) -> list[dict]:
-    """One row per iteration from the published metrics of rollout, reward and train."""
+    """One row per iteration of the run so far (a chained run's earlier ones too), from the
+    published metrics of rollout, reward and train."""
     from components.common.storage import Artifact, exists, list_artifacts
 
     layout, rows = RunLayout(cfg.root, cfg.run), []
-    for i in range(cfg.start_iteration, cfg.start_iteration + cfg.iterations):
+    for i in range(0, cfg.start_iteration + cfg.iterations):
         row: dict[str, Any] = {"iteration": i, "aqn_sigma": cfg.sigma(i)}
         shards = list_artifacts(layout.iteration(i) + "/rollouts")
         roll = [Artifact(u).read_json("metrics.json") for u in shards]
@@ -404,8 +405,8 @@ def collect_metrics(cfg: RunConfig) -> list[dict]:
             row["rollout_tok_s"] = sum(m["tokens_per_second"] for m in roll)
         if exists(layout.rewards(i)):
             rm = Artifact(layout.rewards(i)).read_json("metrics.json")
-            row.update(reward=rm["reward_mean"], accuracy=rm.get("accuracy"), format_rate=rm.get("format_rate"),
-                       tied_groups=rm["tied_group_fraction"])
+            row.update(reward=rm.get("reward_mean"), accuracy=rm.get("accuracy"), format_rate=rm.get("format_rate"),
+                       tied_groups=rm.get("tied_group_fraction"))  # a custom reward may report less
         if exists(layout.adapter(i)):
             tm = Artifact(layout.adapter(i)).read_json("metrics.json")
             row.update({k: tm.get(k) for k in ("loss", "entropy", "grad_norm", "clip_fraction", "approx_kl",

@@ -228,6 +228,6 @@ def test_chained_iteration_with_a_user_reward_component(local_run):
     assert {k for r in rewards for k, _ in r["components"]} >= {"length"}
     it2 = read_artifact_table(L.rollouts(2), "rollouts").to_pylist()
     assert {r["adapter_digest"] for r in it2} == {Artifact(L.adapter(1)).digest}
-    assert exists(L.adapter(2)) and "| 2 |" in p.stdout
+    assert exists(L.adapter(2)) and "| 2 |" in p.stdout and "| 0 |" in p.stdout  # the report spans the whole run
 
 

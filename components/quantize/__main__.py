@@ -10,8 +10,8 @@ Linear whose input size is not a multiple of 16 stays bf16 and is added to `igno
 It streams: tensors are read lazily from the source shards one decoder layer at a time and
 written to output shards of at most `--max-shard-mb`, so peak host memory is about one layer
 group plus two output shards (safetensors serializes a shard in memory), not the model.
-Kernels: Triton on a GPU, the plain-torch reference on the CPU (bit-identical). Metrics: each layer's relative error ‖Ŵ−W‖/‖W‖,
-throughput and peak memory.
+Kernels: Triton on a GPU, the plain-torch reference on the CPU (bit-identical). Metrics: each
+layer's relative error ‖Ŵ−W‖/‖W‖, throughput and peak memory.
 """
 from __future__ import annotations
 
