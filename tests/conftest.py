@@ -36,13 +36,30 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """moto's S3 in server mode on 127.0.0.1; the environment points boto3 and pyarrow at it."""
-    from moto.server import ThreadedMotoServer
+    """moto's S3 in server mode on 127.0.0.1, in its own process; the environment points boto3
+    and pyarrow at it. (In-process, moto's Flask globals break vLLM's CPU kernel registration,
+    which probes every module attribute.)"""
+    import time
+    import urllib.request
 
     port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
+    log = open(CACHE.parent / "moto-server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {proc.returncode}; see {log.name}")
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        raise RuntimeError(f"moto server did not start on {endpoint}")
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -52,7 +69,9 @@ def s3_server():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    server.stop()
+    proc.terminate()
+    proc.wait(timeout=10)
+    log.close()
 
 
 @pytest.fixture

@@ -128,7 +128,7 @@ def test_bad_reward_spec_is_exit_2_one_line(tmp_path, spec, msg):
 def test_missing_rollouts_and_existing_output_are_exit_2(tmp_path):
     out = str(tmp_path / "rewards")
     proc = run_cli("components.reward", "--rollouts", str(tmp_path / "nothing"), "--output", out, check=False)
-    assert proc.returncode == 2 and "no rollout shards at" in proc.stderr and not exists(out)
+    assert proc.returncode == 2 and "no rollout shard published at or under" in proc.stderr and not exists(out)
     prefix = publish_rollouts(str(tmp_path / "run"))
     run_cli("components.reward", "--rollouts", prefix, "--output", out)
     proc = run_cli("components.reward", "--rollouts", prefix, "--output", out, check=False)

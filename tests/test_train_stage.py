@@ -299,14 +299,14 @@ def test_end_to_end_publishes_standard_peft_adapter(run1, smollm2_artifact, toke
 
 def test_rollouts_prefix_of_shards(smollm2_nvfp4, data, tmp_path):
     """A prefix holding several shard artifacts reads as their concatenation (KFP passes one)."""
-    from components.train.__main__ import _rollout_artifacts
     from components.common.schemas import read_artifact_table
+    from components.common.storage import expand_artifacts
 
     rows = data["rollout_rows0"]
     for k in range(2):
         _publish_table(tmp_path / "rollouts" / f"shard-00{k}-of-002",
                        to_table([r for r in rows if int(r["prompt_id"][1:]) % 2 == k], ROLLOUTS))
-    shards = _rollout_artifacts([str(tmp_path / "rollouts")])
+    shards = expand_artifacts([str(tmp_path / "rollouts")])
     assert [Path(s).name for s in shards] == ["shard-000-of-002", "shard-001-of-002"]
     assert sum(read_artifact_table(s, "rollouts").num_rows for s in shards) == len(rows)
 
