@@ -63,7 +63,7 @@ logger = logging.getLogger("vllm.plugins.qerl_cpu_nvfp4")
 
 KERNEL_LOG_LINE = "QeRL CPU NVFP4 kernel (dequantize-once) for W4A16 FP4 layers"
 _PATCH_MARK = "_qerl_cpu_nvfp4_patched"
-_LOGGED: set[int] = set()  # vllm configs for which the kernel choice was logged
+_LOGGED: list = []  # vllm configs whose kernel choice was logged (kept alive: ids get reused)
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -211,9 +211,9 @@ def register() -> None:
         ):
             from vllm.config import get_current_vllm_config_or_none
 
-            key = id(get_current_vllm_config_or_none())  # once per engine/model load
-            if key not in _LOGGED:
-                _LOGGED.add(key)
+            config = get_current_vllm_config_or_none()  # log once per engine/model load
+            if not any(c is config for c in _LOGGED):  # by identity: a dead config's id is reused
+                _LOGGED.append(config)
                 logger.info("%s (%s)", KERNEL_LOG_LINE, kernel_cls.__name__)
             return kernel_cls(NvFp4LinearLayerConfig())
         return orig_init(use_a16, *args, **kwargs)

@@ -14,8 +14,10 @@ and X is not saved for backward (only the packed weight is, by reference).
 
 The GEMMs go through `_backend(x)`, the one place that picks the implementation:
 
-* a bf16 CUDA tensor and `kernels/nvfp4/gemm.py` present: its fused Triton kernels
-  `linear_w4a16` / `grad_input_w4a16`, which never materialize Ŵ;
+* a bf16 CUDA tensor: Triton dequantize (`triton_kernels.dequantize`, ~800 GB/s on an H200)
+  into a transient bf16 Ŵ, then cuBLAS. This is the default because it was measured faster:
+  on an H200 the fused kernels of `kernels/nvfp4/gemm.py` (`QERL_NVFP4_GEMM=fused`), which never
+  materialize Ŵ, still run at 5-27 % of cuBLAS (kernels/nvfp4/NOTES.md);
 * otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
   byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
   decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
@@ -94,20 +96,41 @@ class _Reference:
         return dy @ dequantize(packed, scale, gscale, dy.dtype)
 
 
+class _DequantCuBLAS:
+    """CUDA: Triton dequantize into a transient bf16 Ŵ (one layer at a time), then cuBLAS."""
+
+    name = "dequant+cublas"
+
+    @staticmethod
+    def linear_w4a16(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+        from . import triton_kernels
+        return x @ triton_kernels.dequantize(packed, scale, gscale, x.dtype).t()
+
+    @staticmethod
+    def grad_input_w4a16(dy: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+        from . import triton_kernels
+        return dy @ triton_kernels.dequantize(packed, scale, gscale, dy.dtype)
+
+
 def _backend(x: Tensor):
-    """THE choice of GEMM implementation: the fused Triton kernels for bf16 CUDA activations
-    when `kernels/nvfp4/gemm.py` is there, else dequantize + matmul. QERL_NVFP4_GEMM=reference
-    forces the latter (debugging, A/B timing)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and os.environ.get("QERL_NVFP4_GEMM", "auto") != "reference":
-        fused = _fused()
-        if fused is not None:
-            return fused
+    """THE choice of GEMM implementation. QERL_NVFP4_GEMM: 'auto' (default: dequant+cublas for
+    bf16 CUDA activations, the reference otherwise), 'fused' (the fused Triton kernels of
+    kernels/nvfp4/gemm.py), 'reference' (byte-table dequantize + matmul; debugging, A/B)."""
+    choice = os.environ.get("QERL_NVFP4_GEMM", "auto")
+    if choice not in ("auto", "fused", "reference"):
+        raise ValueError(f"QERL_NVFP4_GEMM must be auto, fused or reference, not {choice!r}")
+    if x.is_cuda and x.dtype == torch.bfloat16 and choice != "reference":
+        if choice == "fused":
+            fused = _fused()
+            if fused is not None:
+                return fused
+        return _DequantCuBLAS
     return _Reference
 
 
 def backend_name(x: Tensor) -> str:
     b = _backend(x)
-    return "reference" if b is _Reference else "triton"
+    return getattr(b, "name", "fused-triton")
 
 
 def linear_w4a16(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
