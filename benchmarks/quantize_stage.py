@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
+    "tiny": (256, 512, 2, 4, 2, 1024),  # a smoke test of the scripts
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
     "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064),
     "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064),

@@ -1,0 +1,95 @@
+"""Benchmark one LoRA learner step of the train stage: NVFP4 base vs BF16 base.
+
+    python benchmarks/train_step.py --shape qwen2.5-7b --seqs 8 --seq-len 2048 [--base both]
+
+Makes a random bf16 checkpoint of the shape (and its NVFP4 quantization through the quantize
+stage), synthetic rollout and reward shards (groups of 4 samples with distinct rewards), then
+runs `python -m components.train` once per base with gradient checkpointing on and prints
+the learner's update tokens/s, its wall time and peak memory (from the stage's metrics).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.quantize_stage import SHAPES, make_checkpoint  # noqa: E402
+
+
+def make_shards(root: Path, vocab: int, seqs: int, seq_len: int, prompt_len: int = 64) -> tuple[str, str]:
+    import random
+
+    from components.common.schemas import REWARDS, ROLLOUTS, to_table, write_ipc
+    from components.common.storage import Staging
+
+    rng = random.Random(0)
+    rollouts, rewards = [], []
+    for i in range(seqs):
+        pid, k = f"p{i // 4}", i % 4
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        comp = [rng.randrange(vocab) for _ in range(seq_len - prompt_len)]
+        rollouts.append(dict(prompt_id=pid, sample_index=k, prompt_token_ids=prompt, completion_token_ids=comp,
+                             completion_logprobs=[-rng.uniform(5, 15) for _ in comp], completion_text="",
+                             finish_reason="stop", answer="0", iteration=0, adapter_digest="", aqn_sigma=0.0,
+                             aqn_seed=0, sampling_seed=0, max_tokens=seq_len))
+        rewards.append(dict(prompt_id=pid, sample_index=k, reward=float(k), components={"synthetic": float(k)}))
+    out = []
+    for name, rows, schema, kind in (("rollouts", rollouts, ROLLOUTS, "rollout"), ("rewards", rewards, REWARDS, "reward")):
+        uri = str(root / f"{name}-{seqs}x{seq_len}")
+        if not (Path(uri) / "MANIFEST.json").exists():
+            with Staging() as st:
+                (st.path / f"{name}.arrow").write_bytes(write_ipc(to_table(rows, schema)))
+                st.publish(uri, stage=kind)
+        out.append(uri)
+    return out[0], out[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
+    ap.add_argument("--seqs", type=int, default=8, help="sequences (groups of 4)")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (prompt 64 + completion)")
+    ap.add_argument("--base", choices=["nvfp4", "bf16", "both"], default="both")
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--workdir", default="/tmp/qerl-bench")
+    ap.add_argument("--json", help="save the figures here")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    bf16 = work / f"{args.shape}-bf16"
+    gen = mp.get_context("spawn").Process(target=make_checkpoint, args=(bf16, args.shape))
+    gen.start()
+    gen.join()
+    nvfp4 = work / f"{args.shape}-nvfp4"
+    if args.base in ("nvfp4", "both") and not (nvfp4 / "MANIFEST.json").exists():
+        subprocess.run([sys.executable, "-m", "components.quantize", "--input", str(bf16), "--output", str(nvfp4)],
+                       check=True)
+    vocab = SHAPES[args.shape][5]
+    rollouts, rewards = make_shards(work, vocab, args.seqs, args.seq_len)
+    rows = []
+    for base in (["nvfp4", "bf16"] if args.base == "both" else [args.base]):
+        out = work / f"adapter-{base}-{int(time.time())}"
+        cfg = json.dumps({"lora_rank": args.lora_rank, "lora_alpha": 2 * args.lora_rank, "gradient_checkpointing": True,
+                          "micro_batch_tokens": 2 * args.seq_len, "tis_cap": 2.0})
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "components.train", "--model", str(nvfp4 if base == "nvfp4" else bf16),
+                        "--rollouts", rollouts, "--rewards", rewards, "--output", str(out), "--config-text", cfg],
+                       check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        m = json.loads((out / "metrics.json").read_text())
+        rows.append({"shape": args.shape, "base": base, "tokens": args.seqs * args.seq_len,
+                     "update_tok_s": round(m["tokens_per_s"], 1), "update_s": round(m["seconds_update"], 2),
+                     "logp_old_s": round(m["seconds_logp_old"], 2), "stage_wall_s": round(time.time() - t0, 1),
+                     "peak_mem_gb": round(m["peak_memory_mb"] / 1024, 2)})  # GPU on CUDA, host RSS on CPU
+        print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
