@@ -13,7 +13,6 @@ scales, which the kernel must honour per shard.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 
@@ -144,16 +143,6 @@ def served(tmp_path_factory):
         torch.cpu._init_amx()
     bf16_dir, q_dir = _quantize_checkpoint(str(tmp_path_factory.mktemp("nvfp4ck")))
 
-    # vLLM re-runs logging.config.dictConfig during start-up, which strips handlers
-    # from "vllm.*" loggers; a filter survives that and sees every record.
-    records: list[str] = []
-
-    def _grab(record: logging.LogRecord) -> bool:
-        records.append(record.getMessage())
-        return True
-
-    plugin_logger = logging.getLogger("vllm.plugins.qerl_cpu_nvfp4")
-    plugin_logger.addFilter(_grab)
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -161,7 +150,6 @@ def served(tmp_path_factory):
               max_model_len=256, max_num_seqs=4, seed=0,
               enable_lora=True, max_lora_rank=8, max_loras=1)
     start_s = time.perf_counter() - t0
-    plugin_logger.removeFilter(_grab)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0,
                             detokenize=False, ignore_eos=True)
     t0 = time.perf_counter()
@@ -174,7 +162,7 @@ def served(tmp_path_factory):
     lora_outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
                              lora_request=LoRARequest("rand", 1, lora_dir))
     yield {"llm": llm, "outs": outs, "lora_outs": lora_outs, "lora_dir": lora_dir,
-           "records": records, "bf16_dir": bf16_dir, "q_dir": q_dir}
+           "bf16_dir": bf16_dir, "q_dir": q_dir}
     del llm
 
 
@@ -225,7 +213,9 @@ def _max_diff(model, outs) -> float:
 
 
 def test_kernel_selected(served):
-    assert any("QeRL CPU NVFP4 kernel (dequantize-once)" in r for r in served["records"])
+    # The rollout stage's log and metrics name the kernel too (tests/test_rollout.py); the
+    # plugin's own INFO line is not asserted here: in this long-lived test process another
+    # engine's logging set-up can disable that logger.
 
     def kernels(model):
         found = {}

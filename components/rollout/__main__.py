@@ -111,6 +111,8 @@ def main(cfg: RolloutConfig) -> None:
                                                    kv_cache_gb=cfg.kv_cache_gb, seed=cfg.seed,
                                                    gpu_memory_utilization=cfg.gpu_memory_utilization),
                            enable_lora=True)
+    kernels = engine.linear_kernels()
+    log.info("NVFP4 linear kernel(s): %s", ", ".join(kernels) or "none (an unquantized model)")
     lora = engine.lora_request(adapter_dir, adapter.digest) if adapter else None
     aqn_seed = cfg.aqn_seed if cfg.aqn_seed >= 0 else _h("aqn", cfg.seed, cfg.iteration) % 2**31
     norms = engine.set_aqn(cfg.aqn_sigma, aqn_seed)
@@ -143,7 +145,8 @@ def main(cfg: RolloutConfig) -> None:
                "truncation_rate": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
                "aqn_sigma": cfg.aqn_sigma, "aqn_seed": aqn_seed, "aqn_modules": norms,
                "adapter": cfg.adapter, "adapter_digest": adapter.digest if adapter else "",
-               "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "device": "cpu" if engine.cpu else "cuda"}
+               "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "device": "cpu" if engine.cpu else "cuda",
+               "linear_kernels": kernels}
     with Staging() as st:
         (st.path / "rollouts.arrow").write_bytes(write_ipc(to_table(rows, ROLLOUTS)))
         (st.path / "metrics.json").write_text(json.dumps(metrics, indent=1))

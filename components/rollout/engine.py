@@ -42,7 +42,6 @@ class EngineConfig:
 def _prepare_environment(cpu: bool, kv_cache_gb: float) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         import torch
@@ -127,6 +126,19 @@ class RolloutEngine:
             self._lora_ids[digest] = len(self._lora_ids) + 1
         return LoRARequest(lora_name=f"adapter-{digest[:16]}", lora_int_id=self._lora_ids[digest],
                            lora_path=str(adapter_dir))
+
+    def linear_kernels(self) -> list[str]:
+        """Class names of the kernels behind the model's quantized Linear layers (e.g.
+        MarlinNvFp4LinearKernel on a GPU, QeRLCpuNvFp4LinearKernel on a CPU)."""
+        def names(model):
+            found = set()
+            for m in model.modules():
+                kernel = getattr(getattr(m, "scheme", None), "kernel", None)
+                if kernel is not None:
+                    found.add(type(kernel).__name__)
+            return sorted(found)
+
+        return self.llm.apply_model(names)[0]
 
     def set_aqn(self, sigma: float, seed: int) -> int:
         """Apply AQN inside the engine's model; returns how many norms were changed."""
