@@ -221,8 +221,10 @@ class Ops:
                       for s in STAGE_NAMES} if target == "cluster" else {}
         if cfg.reward_component:
             from components.reward.plugin import check_component_spec
-            info = check_component_spec(cfg.reward_component)
-            self.specs["reward"] = info["component"] if isinstance(info, dict) else info.component
+            try:
+                self.specs["reward"] = check_component_spec(cfg.reward_component).component
+            except ValueError as e:
+                raise ConfigError(f"reward_component: {e}") from e
 
     def __call__(self, stage: str, **inputs):
         if self.target == "local":

@@ -137,3 +137,16 @@ def kfp_argv(spec_path: Path, outputs_dir: Path | None = None, **inputs) -> list
         else:
             argv.append(str(a))
     return [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
+
+
+def interpreter_report(test_file: str, timeout: int) -> dict:
+    """Run `test_file --interpreter-check` in a fresh process with TRITON_INTERPRET=1 (triton
+    reads the variable when a kernel is decorated, so it must be set before the kernels are
+    first imported) and return the JSON report its last stdout line holds."""
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, test_file, "--interpreter-check"], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

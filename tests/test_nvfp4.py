@@ -24,8 +24,6 @@ weights); we follow the library there, since vLLM-served checkpoints come from i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -317,11 +315,9 @@ def test_triton_matches_reference_in_interpreter():
     """Run the Triton kernels on CPU with TRITON_INTERPRET=1 in a fresh process: triton
     reads the variable when a kernel is decorated, so it must be set before
     kernels.nvfp4.triton_kernels is first imported, which this process may already have done."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--interpreter-check"], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.conftest import interpreter_report
+
+    report = interpreter_report(__file__, timeout=300)
     assert report["interpreted"] is True
     assert report["failures"] == [], report["failures"]
     assert report["checks"] >= 40

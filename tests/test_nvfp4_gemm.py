@@ -8,8 +8,6 @@ slow. Input checks and the reference functions run in-process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -90,11 +88,9 @@ def test_bad_inputs_raise():
 
 
 def test_kernels_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--interpreter-check"], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.conftest import interpreter_report
+
+    report = interpreter_report(__file__, timeout=600)
     assert report["interpreted"] is True
     assert report["failures"] == [], report["failures"]
     assert report["checks"] >= 60, report

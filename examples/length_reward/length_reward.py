@@ -30,7 +30,7 @@ import pyarrow as pa
 import yaml
 
 from components.common.schemas import REWARDS, SchemaError, read_artifact_table, to_table, write_ipc
-from components.common.storage import Staging, StorageError, exists, list_artifacts
+from components.common.storage import Staging, StorageError, expand_artifacts
 
 DEFAULTS = {"target_tokens": 256, "length_weight": 1.0, "keywords": ["<answer>"], "keyword_weight": 0.5}
 PROG = "length_reward"
@@ -66,17 +66,6 @@ def load_config(path: str | None) -> dict:
     return cfg
 
 
-def rollout_shards(uris: list[str]) -> list[str]:
-    """Each --rollouts URI is a shard artifact, or a prefix under which shards were published."""
-    out = []
-    for uri in uris:
-        found = [uri] if exists(uri) else list_artifacts(uri)
-        if not found:
-            raise BadInput(f"no rollout shards at {uri}")
-        out += found
-    return out
-
-
 def score(rollouts: pa.Table, cfg: dict) -> tuple[pa.Table, dict]:
     target = cfg["target_tokens"]
     rows = []
@@ -102,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)  # a bad command line exits 2 here
     try:
         cfg = load_config(args.config)
-        shards = rollout_shards(args.rollouts)
+        shards = expand_artifacts(args.rollouts, "rollout shard")  # a prefix → its shard artifacts
         rollouts = pa.concat_tables([read_artifact_table(u, "rollouts") for u in shards])
         if rollouts.num_rows == 0:
             raise BadInput("the rollout shards hold no samples")
