@@ -206,7 +206,7 @@ def test_stage_cli_end_to_end(smollm2_nvfp4, prompts, adapters, tmp_path):
             "--adapter", str(adapters[0]), "--iteration", "1", "--prompts-per-iteration", "4", "--samples", "2",
             "--max-tokens", "8", "--aqn-sigma", "0.01", "--shard", "0", "--num-shards", "2", "--max-lora-rank", "16",
             "--max-model-len", "512")
-    assert "NVFP4 linear kernel(s): QeRLCpuNvFp4LinearKernel" in p.stderr  # the log names the kernel
+    assert "NVFP4 linear kernel(s): QeRLDequantNvFp4LinearKernel" in p.stderr  # the log names the kernel
     table = read_artifact_table(str(out), "rollouts")
     rows = table.to_pylist()
     assert len(rows) == 2 * 2 and {r["sample_index"] for r in rows} == {0, 1}
@@ -218,7 +218,9 @@ def test_stage_cli_end_to_end(smollm2_nvfp4, prompts, adapters, tmp_path):
         assert r["finish_reason"] in ("stop", "length") and r["max_tokens"] == 8
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["samples"] == 4 and metrics["tokens_per_second"] > 0 and metrics["aqn_modules"] == 60
-    assert metrics["linear_kernels"] == ["QeRLCpuNvFp4LinearKernel"]
+    assert metrics["linear_kernels"] == ["QeRLDequantNvFp4LinearKernel"]
+    assert metrics["nvfp4_backend"] == "dequant" and metrics["concurrency"] == 4
+    assert "NVFP4 backend dequant" in p.stderr
 
 
 @pytest.mark.parametrize("case, msg", [

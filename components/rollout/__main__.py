@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from components.common.cli import ConfigError, config_dict, field, require, run_stage
 from components.common.schemas import ROLLOUTS, read_artifact_table, to_table, write_ipc
 from components.common.storage import Artifact, Staging, parse_uri
+from components.rollout.backends import CHOICES
 
 log = logging.getLogger("qerl.rollout")
 
@@ -51,6 +52,11 @@ class RolloutConfig:
     max_model_len: int = field(2048, help="engine context length (prompt + completion)")
     kv_cache_gb: float = field(1.0, help="CPU KV-cache size in GiB")
     gpu_memory_utilization: float = field(0.85, help="GPU memory fraction vLLM may take")
+    nvfp4_backend: str = field("auto", help="GPU kernel for the NVFP4 layers: auto (the fastest measured at this "
+                               "task's concurrency, components/rollout/backend_throughput.json), marlin, humming, "
+                               "or dequant (bf16 copy of the dequantized weights: cuBLAS speed, bf16 memory); "
+                               "CPUs always use dequant", metavar="NAME")
+    max_num_seqs: int = field(256, help="most sequences the engine runs at once (the concurrency)")
     overwrite: bool = field(False, help="replace an artifact already published at --output")
 
     def __post_init__(self):
@@ -69,6 +75,9 @@ class RolloutConfig:
                 f"--shard {self.shard} is not in 0..{self.num_shards - 1}")
         require(self.iteration >= 0 and self.prompts_per_iteration >= 0, "--iteration and --prompts-per-iteration must be >= 0")
         require(self.max_model_len > self.max_tokens, "--max-model-len must exceed --max-tokens")
+        require(self.max_num_seqs >= 1, "--max-num-seqs must be at least 1")
+        require(self.nvfp4_backend in CHOICES, f"--nvfp4-backend must be one of {', '.join(CHOICES)}, "
+                f"not {self.nvfp4_backend!r}")
 
 
 def _h(*parts) -> int:
@@ -84,6 +93,17 @@ def select_prompts(rows: list[dict], cfg: RolloutConfig) -> list[dict]:
     start = cfg.iteration * n
     window = [order[(start + i) % len(order)] for i in range(min(n, len(order)))]
     return window[cfg.shard::cfg.num_shards]
+
+
+def pick_backend(cfg: RolloutConfig, concurrency: int) -> tuple[str, str]:
+    """The NVFP4 backend for this task and why (see components/rollout/backends.py)."""
+    import torch
+
+    from components.rollout.backends import choose_backend, load_table
+
+    cuda = torch.cuda.is_available()
+    return choose_backend(cfg.nvfp4_backend, concurrency, cuda, load_table() if cuda else None,
+                          torch.cuda.get_device_name() if cuda else "")
 
 
 def main(cfg: RolloutConfig) -> None:
@@ -107,9 +127,12 @@ def main(cfg: RolloutConfig) -> None:
         adapter_dir = adapter.local_dir()
         from components.rollout.engine import check_adapter
         lora_cfg = check_adapter(adapter_dir, json.loads((model_dir / "config.json").read_text()), cfg.max_lora_rank)
+    backend, why = pick_backend(cfg, concurrency=min(cfg.max_num_seqs, len(chosen) * cfg.samples))
+    log.info("NVFP4 backend %s", why if why.startswith(backend) else f"{backend} ({why})")
     engine = RolloutEngine(model_dir, EngineConfig(max_lora_rank=cfg.max_lora_rank, max_model_len=cfg.max_model_len,
                                                    kv_cache_gb=cfg.kv_cache_gb, seed=cfg.seed,
-                                                   gpu_memory_utilization=cfg.gpu_memory_utilization),
+                                                   gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                                   max_num_seqs=cfg.max_num_seqs, nvfp4_backend=backend),
                            enable_lora=True)
     kernels = engine.linear_kernels()
     log.info("NVFP4 linear kernel(s): %s", ", ".join(kernels) or "none (an unquantized model)")
@@ -146,7 +169,8 @@ def main(cfg: RolloutConfig) -> None:
                "aqn_sigma": cfg.aqn_sigma, "aqn_seed": aqn_seed, "aqn_modules": norms,
                "adapter": cfg.adapter, "adapter_digest": adapter.digest if adapter else "",
                "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "device": "cpu" if engine.cpu else "cuda",
-               "linear_kernels": kernels}
+               "linear_kernels": kernels, "nvfp4_backend": backend, "nvfp4_backend_reason": why,
+               "concurrency": min(cfg.max_num_seqs, len(rows))}
     with Staging() as st:
         (st.path / "rollouts.arrow").write_bytes(write_ipc(to_table(rows, ROLLOUTS)))
         (st.path / "metrics.json").write_text(json.dumps(metrics, indent=1))

@@ -37,6 +37,7 @@ class EngineConfig:
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     max_num_seqs: int = 256
     seed: int = 0
+    nvfp4_backend: str = "marlin"      # GPU only: marlin, humming or dequant (see backends.py)
 
 
 def _prepare_environment(cpu: bool, kv_cache_gb: float) -> None:
@@ -98,6 +99,15 @@ class RolloutEngine:
         self.cfg = cfg
         self.cpu = not torch.cuda.is_available()
         _prepare_environment(self.cpu, cfg.kv_cache_gb)
+        extra = {}
+        if not self.cpu:
+            from components.rollout.backends import engine_settings
+
+            extra, env = engine_settings(cfg.nvfp4_backend)
+            os.environ.update(env)
+        from kernels.vllm_nvfp4_dequant import register
+
+        register()  # also loaded as a vLLM plugin when the project is installed; idempotent
         from vllm import LLM
 
         kw = dict(model=str(self.model_dir), dtype="bfloat16", seed=cfg.seed, max_model_len=cfg.max_model_len,
@@ -107,7 +117,7 @@ class RolloutEngine:
         if enable_lora:
             kw.update(max_lora_rank=cfg.max_lora_rank, max_loras=2)
         if not self.cpu:
-            kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization)
+            kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, **extra)
         t0 = time.time()
         self.llm = LLM(**kw)
         self.start_seconds = time.time() - t0
@@ -129,7 +139,8 @@ class RolloutEngine:
 
     def linear_kernels(self) -> list[str]:
         """Class names of the kernels behind the model's quantized Linear layers (e.g.
-        MarlinNvFp4LinearKernel on a GPU, QeRLCpuNvFp4LinearKernel on a CPU)."""
+        MarlinNvFp4LinearKernel on a GPU, QeRLDequantNvFp4LinearKernel on a CPU or with the
+        dequant backend)."""
         def names(model):
             found = set()
             for m in model.modules():

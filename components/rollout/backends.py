@@ -1,0 +1,84 @@
+"""Which kernel serves the NVFP4 Linear layers during rollouts, chosen from measurements.
+
+Backends (all serve the same weights: the NVFP4 checkpoint's dequantized values):
+
+* ``marlin``  – vLLM's MarlinNvFp4LinearKernel (W4A16, reads 4-bit weights; vLLM's default);
+* ``humming`` – vLLM's Humming W4A16 kernel (``linear_backend="humming"``);
+* ``dequant`` – the project's dequantize-once kernel (`kernels/vllm_nvfp4_dequant.py`): the
+  weights are expanded to bf16 once at load and served by cuBLAS. Fastest at large batches,
+  costs the bf16 weight memory (plus the packed tensors). The only backend on CPUs.
+
+``auto`` picks, for the task's concurrency (sequences in flight), the backend with the most
+output tokens/s in the measured table `backend_throughput.json`, written by
+``benchmarks/rollout.py --write-table``. The nearest measured concurrency (in log scale) is
+used. No GPU imports here: the pipeline and tests read this module.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from components.common.cli import ConfigError
+
+NVFP4_BACKENDS = ("marlin", "humming", "dequant")
+CHOICES = ("auto",) + NVFP4_BACKENDS
+TABLE_PATH = Path(__file__).with_name("backend_throughput.json")
+
+
+def load_table(path: Path = TABLE_PATH) -> dict | None:
+    """The measured table, or None if there is none (e.g. never benchmarked)."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"backend table {path} is unreadable: {e}") from e
+    if not isinstance(table.get("tokens_per_second"), dict):
+        raise ConfigError(f"backend table {path} has no 'tokens_per_second' mapping")
+    return table
+
+
+def _nearest(measured: list[int], concurrency: int) -> int:
+    return min(measured, key=lambda c: (abs(math.log(c) - math.log(max(concurrency, 1))), c))
+
+
+def choose_backend(requested: str, concurrency: int, cuda: bool, table: dict | None,
+                   gpu_name: str = "") -> tuple[str, str]:
+    """(backend, reason): the backend to serve NVFP4 with and a sentence saying why."""
+    if requested not in CHOICES:
+        raise ConfigError(f"nvfp4 backend must be one of {', '.join(CHOICES)}, not {requested!r}")
+    if not cuda:
+        if requested not in ("auto", "dequant"):
+            raise ConfigError(f"nvfp4 backend {requested!r} needs a CUDA GPU; on CPU only 'dequant' exists")
+        return "dequant", "CPU: the dequantize-once plugin is the only NVFP4 kernel"
+    if requested != "auto":
+        return requested, "requested"
+    if table is None:
+        return "marlin", "no measured table (run benchmarks/rollout.py --write-table): vLLM's default"
+    tps = table["tokens_per_second"]
+    rows = {b: {int(c): float(v) for c, v in tps.get(b, {}).items() if v} for b in NVFP4_BACKENDS}
+    measured = sorted({c for r in rows.values() for c in r})
+    if not measured:
+        return "marlin", "the measured table has no NVFP4 rows: vLLM's default"
+    at = _nearest(measured, concurrency)
+    scores = {b: r[at] for b, r in rows.items() if at in r}
+    best = max(scores, key=scores.get)
+    others = ", ".join(f"{b} {v:,.0f}" for b, v in sorted(scores.items(), key=lambda kv: -kv[1]) if b != best)
+    where = table.get("measured_on", "?")
+    note = "" if not gpu_name or gpu_name in where else f"; measured on other hardware than this {gpu_name}"
+    bf16 = tps.get("bf16", {}).get(str(at))
+    vs = f", bf16 {float(bf16):,.0f}" if bf16 else ""
+    return best, (f"{best}: {scores[best]:,.0f} output tok/s vs {others or 'nothing else'}{vs} at concurrency "
+                  f"{at} (nearest measured to {concurrency}; {where}){note}")
+
+
+def engine_settings(backend: str) -> tuple[dict, dict]:
+    """(extra vLLM LLM kwargs, environment variables) that select `backend`."""
+    if backend == "humming":
+        return {"linear_backend": "humming"}, {"QERL_NVFP4_BACKEND": ""}
+    if backend == "dequant":
+        return {}, {"QERL_NVFP4_BACKEND": "dequant"}
+    if backend == "marlin":  # vLLM 0.26 forces Marlin for W4A16 under linear_backend=auto
+        return {}, {"QERL_NVFP4_BACKEND": ""}
+    raise ConfigError(f"unknown nvfp4 backend {backend!r}")

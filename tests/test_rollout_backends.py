@@ -1,0 +1,74 @@
+"""The rollout stage's NVFP4 backend choice (components/rollout/backends.py): pure logic, no GPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.common.cli import ConfigError
+from components.rollout.backends import CHOICES, TABLE_PATH, choose_backend, engine_settings, load_table
+
+TABLE = {"measured_on": "NVIDIA H200, vLLM 0.26.0, qwen2.5-7b shape",
+         "tokens_per_second": {"bf16": {"1": 150, "16": 2400, "64": 8000, "256": 16000},
+                               "marlin": {"1": 200, "16": 2900, "64": 7400, "256": 10900},
+                               "humming": {"1": 190, "64": 8800, "256": 15000},
+                               "dequant": {"1": 140, "16": 2300, "64": 8100, "256": 16100}}}
+
+
+@pytest.mark.parametrize("concurrency, want", [(1, "marlin"), (2, "marlin"), (12, "marlin"), (16, "marlin"),
+                                               (40, "humming"), (64, "humming"), (200, "dequant"),
+                                               (256, "dequant"), (4096, "dequant")])
+def test_auto_picks_the_fastest_measured_at_the_nearest_concurrency(concurrency, want):
+    backend, why = choose_backend("auto", concurrency, True, TABLE, "NVIDIA H200")
+    assert backend == want
+    assert why.startswith(want) and "NVIDIA H200" in why and "other hardware" not in why
+
+
+def test_reason_names_the_figures_and_other_hardware():
+    backend, why = choose_backend("auto", 256, True, TABLE, "NVIDIA A100-SXM4-80GB")
+    assert backend == "dequant"
+    assert "16,100" in why and "humming 15,000" in why and "bf16 16,000" in why and "concurrency 256" in why
+    assert "other hardware" in why
+
+
+def test_explicit_choice_and_fallbacks():
+    assert choose_backend("humming", 1, True, TABLE) == ("humming", "requested")
+    assert choose_backend("auto", 8, True, None)[0] == "marlin"  # no measurements: vLLM's default
+    assert choose_backend("auto", 8, True, {"tokens_per_second": {"bf16": {"8": 1}}})[0] == "marlin"
+    assert choose_backend("auto", 8, False, TABLE) == ("dequant", choose_backend("dequant", 8, False, None)[1])
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        choose_backend("marlin", 8, False, TABLE)
+    with pytest.raises(ConfigError, match="must be one of"):
+        choose_backend("fp8", 8, True, TABLE)
+
+
+def test_engine_settings_select_each_backend():
+    assert engine_settings("humming") == ({"linear_backend": "humming"}, {"QERL_NVFP4_BACKEND": ""})
+    assert engine_settings("dequant") == ({}, {"QERL_NVFP4_BACKEND": "dequant"})
+    assert engine_settings("marlin") == ({}, {"QERL_NVFP4_BACKEND": ""})
+    with pytest.raises(ConfigError):
+        engine_settings("auto")
+    assert set(CHOICES) == {"auto", "marlin", "humming", "dequant"}
+
+
+def test_table_file(tmp_path):
+    assert load_table(tmp_path / "missing.json") is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="unreadable"):
+        load_table(bad)
+    bad.write_text(json.dumps({"measured_on": "x"}))
+    with pytest.raises(ConfigError, match="tokens_per_second"):
+        load_table(bad)
+    shipped = load_table(TABLE_PATH)  # the measured table the stage ships with
+    assert shipped is not None, f"{TABLE_PATH} is missing: run benchmarks/rollout.py --write-table"
+    for c in ("1", "16", "64", "256"):
+        assert all(c in shipped["tokens_per_second"][b] for b in ("bf16", "marlin")), c
+    assert choose_backend("auto", 256, True, shipped)[0] in ("marlin", "humming", "dequant")
+
+
+def test_rollout_config_rejects_an_unknown_backend():
+    from components.rollout.__main__ import RolloutConfig
+
+    with pytest.raises(ConfigError, match="--nvfp4-backend must be one of"):
+        RolloutConfig(model="/m", prompts="/p", output="/o", nvfp4_backend="fp8")
