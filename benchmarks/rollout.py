@@ -1,0 +1,223 @@
+"""Rollout throughput: NVFP4 (each backend) vs BF16, LoRA on, at several concurrencies.
+
+    python benchmarks/rollout.py --shape qwen2.5-7b --backends bf16,marlin,humming,dequant \\
+        --concurrency 1,16,64,256 --out /tmp/rollout-bench [--write-table]
+
+Random weights of a real model's shape (`load_format="dummy"`, no tokenizer), a PEFT LoRA of
+rank `--lora-rank` on q,k,v,o,gate,up,down (random, nonzero) served through `LoRARequest`,
+`--prompt-len` random prompt tokens and `--max-tokens` new tokens per sequence (ignore_eos),
+temperature 1.0. For each concurrency c, c sequences are generated together and the output
+tokens/s is c·max_tokens / wall time (one warm-up batch first). Each backend runs in its own
+process (one vLLM engine per process). Prints a table and, per concurrency, the NVFP4 backend
+the rollout stage's `auto` would choose from these figures; `--write-table` saves them as the
+stage's measured table (components/rollout/backend_throughput.json).
+
+Backends: bf16 (unquantized config), marlin / humming (vLLM's W4A16 kernels), dequant (the
+project's dequantize-once kernel: bf16 GEMMs over the NVFP4 model's dequantized weights).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.quantize_stage import SHAPES  # noqa: E402
+
+BACKENDS = ("bf16", "marlin", "humming", "dequant")
+
+
+def model_dir(root: Path, shape: str, quantized: bool) -> Path:
+    """A config-only checkpoint dir (weights come from load_format='dummy')."""
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    d = root / f"{shape}-{'nvfp4' if quantized else 'bf16'}"
+    d.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+              "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645}
+    if quantized:
+        from components.quantize.__main__ import quantization_config
+
+        config["quantization_config"] = quantization_config(["lm_head"])
+    (d / "config.json").write_text(json.dumps(config, indent=1))
+    return d
+
+
+def lora_dir(root: Path, shape: str, rank: int) -> Path:
+    """A PEFT adapter with random nonzero A and B (so the LoRA kernels really run)."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inter, layers, heads, kv, _ = SHAPES[shape]
+    hd = hidden // heads
+    dims = {"self_attn.q_proj": (hidden, heads * hd), "self_attn.k_proj": (hidden, kv * hd),
+            "self_attn.v_proj": (hidden, kv * hd), "self_attn.o_proj": (heads * hd, hidden),
+            "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
+    d = root / f"{shape}-lora-r{rank}"
+    if (d / "adapter_model.safetensors").exists():
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i in range(layers):
+        for name, (fan_in, fan_out) in dims.items():
+            p = f"base_model.model.model.layers.{i}.{name}"
+            tensors[f"{p}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) * 0.01).to(torch.bfloat16)
+            tensors[f"{p}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.01).to(torch.bfloat16)
+    save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "base_model_name_or_path": "random"}))
+    return d
+
+
+def worker(args) -> dict:
+    """One engine, every concurrency; returns the figures."""
+    import torch
+
+    from components.rollout.backends import engine_settings
+    from components.rollout.engine import _prepare_environment
+
+    root = Path(args.out)
+    backend = args.worker
+    _prepare_environment(cpu=False, kv_cache_gb=0)
+    extra, env = ({}, {"QERL_NVFP4_BACKEND": ""}) if backend == "bf16" else engine_settings(backend)
+    os.environ.update(env)
+    from kernels.vllm_nvfp4_dequant import register
+
+    register()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    conc = [int(c) for c in args.concurrency.split(",")]
+    mdir = model_dir(root, args.shape, quantized=backend != "bf16")
+    ldir = lora_dir(root, args.shape, args.lora_rank)
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512} & set(range(1, max(conc) + 1)) | set(conc))
+    t0 = time.time()
+    llm = LLM(model=str(mdir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              enable_lora=True, max_lora_rank=args.lora_rank, max_loras=1, max_num_seqs=max(conc),
+              max_model_len=args.prompt_len + args.max_tokens + 16, enable_prefix_caching=False,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              compilation_config={"cudagraph_capture_sizes": sizes}, **extra)
+    start_s = time.time() - t0
+
+    def inspect(model):
+        kernels = sorted({type(m.scheme.kernel).__name__ for m in model.modules()
+                          if getattr(getattr(m, "scheme", None), "kernel", None) is not None})
+        nbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+        return kernels, nbytes
+
+    kernels, weight_bytes = llm.apply_model(inspect)[0]
+    lora = LoRARequest("bench", 1, str(ldir))
+    gen = torch.Generator().manual_seed(1)
+    vocab = SHAPES[args.shape][5]
+
+    def batch(c, tokens):
+        prompts = [{"prompt_token_ids": torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()}
+                   for _ in range(c)]
+        params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False, seed=0)
+        t = time.time()
+        outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs), time.time() - t
+
+    result = {"backend": backend, "shape": args.shape, "engine_start_s": round(start_s, 1), "linear_kernels": kernels,
+              "weight_gib": round(weight_bytes / 2**30, 2), "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
+              "tokens_per_second": {}, "seconds": {}}
+    deadline = time.time() + args.budget_s
+    for c in conc:
+        if time.time() > deadline:
+            print(f"[{backend}] time budget spent: concurrency {c} skipped", flush=True)
+            continue
+        batch(c, 16)  # warm-up: this batch size's graphs and the LoRA slot
+        n, s = batch(c, args.max_tokens)
+        result["tokens_per_second"][str(c)] = round(n / s, 1)
+        result["seconds"][str(c)] = round(s, 2)
+        print(f"[{backend}] concurrency {c}: {n} tokens in {s:.2f}s = {n / s:,.1f} tok/s", flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma list of " + ", ".join(BACKENDS))
+    ap.add_argument("--concurrency", default="1,16,64,256", help="comma list of sequences in flight")
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--budget-s", type=float, default=400, help="per backend: skip concurrencies after this")
+    ap.add_argument("--out", default="/tmp/qerl-rollout-bench", help="work dir; results go to results-*.json")
+    ap.add_argument("--write-table", nargs="?", const="components/rollout/backend_throughput.json", default=None,
+                    help="save the merged figures (all results-*.json in --out) as the stage's measured table")
+    ap.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.worker:
+        res = worker(args)
+        (out / f"results-{args.worker}.json").write_text(json.dumps(res, indent=1))
+        return 0
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        ap.error(f"unknown backend(s) {bad}; choose from {', '.join(BACKENDS)}")
+    here = Path(__file__).resolve().parents[1]
+    for b in backends:
+        (out / f"results-{b}.json").unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--worker", b] + [a for a in (argv or sys.argv[1:])]
+        print(f"=== {b}", flush=True)
+        rc = subprocess.run(cmd, cwd=here, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        if rc:
+            print(f"[{b}] worker failed with exit code {rc}", flush=True)
+    report(out, args.write_table)
+    return 0
+
+
+def report(out: Path, table_path: str | None) -> None:
+    from components.rollout.backends import NVFP4_BACKENDS, choose_backend
+
+    results = {}
+    for f in sorted(out.glob("results-*.json")):
+        r = json.loads(f.read_text())
+        results[r["backend"]] = r
+    if not results:
+        print("no results")
+        return
+    conc = sorted({int(c) for r in results.values() for c in r["tokens_per_second"]})
+    order = [b for b in BACKENDS if b in results]
+    print("\n| backend | kernels | weights GiB | engine start s | " + " | ".join(f"c={c}" for c in conc) + " |")
+    print("|---|---|---|---|" + "---|" * len(conc))
+    for b in order:
+        r = results[b]
+        cells = [f"{r['tokens_per_second'][str(c)]:,.0f}" if str(c) in r["tokens_per_second"] else "–" for c in conc]
+        print(f"| {b} | {', '.join(r['linear_kernels']) or 'none'} | {r['weight_gib']} | {r['engine_start_s']} | "
+              + " | ".join(cells) + " |")
+    any_r = next(iter(results.values()))
+    table = {"measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, LoRA, benchmarks/rollout.py, "
+                            f"{time.strftime('%Y-%m-%d')}",
+             "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()}}
+    bf16 = results.get("bf16", {}).get("tokens_per_second", {})
+    print("\nauto choice per concurrency (rollout stage, from these figures):")
+    for c in conc:
+        if not any(str(c) in results[b]["tokens_per_second"] for b in NVFP4_BACKENDS if b in results):
+            continue
+        best, why = choose_backend("auto", c, True, table, any_r["gpu"])
+        ratio = (f" = {table['tokens_per_second'][best][str(c)] / bf16[str(c)]:.2f}× bf16"
+                 if str(c) in bf16 and str(c) in table["tokens_per_second"][best] else "")
+        print(f"  c={c}: {best}{ratio}  ({why})")
+    if table_path:
+        Path(table_path).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {table_path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
