@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--layer-tokens", type=int, default=8 * 2048)
     p.add_argument("--out", type=Path, default=None, help="write all figures as JSON here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", type=json.loads, default=None,
+                   help='force one kernel config instead of autotuning (JSON: BLOCK_M, BLOCK_N, BLOCK_K, '
+                        'SWAP_AB, SPLIT_K, num_warps, num_stages); skips minutes of autotune compiles')
     return p.parse_args(argv)
 
 
@@ -69,10 +72,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     import triton
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     from kernels.nvfp4 import global_scale, quantize
-    from kernels.nvfp4 import gemm
+    from kernels.nvfp4 import gemm, triton_kernels
 
     if not torch.cuda.is_available():
         print("nvfp4_gemm benchmark needs a CUDA GPU", file=sys.stderr)
@@ -133,10 +136,10 @@ def main(argv=None) -> int:
                 poison = torch.full((out_numel,), float("nan"), dtype=torch.bfloat16, device=dev)
                 del poison
                 if op == "fwd":
-                    got = gemm.linear_w4a16(x, *q)
+                    got = gemm.linear_w4a16(x, *q, _config=args.config)
                     want = gemm.reference_linear(x, *q)
                 else:
-                    got = gemm.grad_input_w4a16(dy, *q)
+                    got = gemm.grad_input_w4a16(dy, *q, _config=args.config)
                     want = gemm.reference_grad_input(dy, *q)
                 torch.cuda.synchronize()
                 finite = bool(torch.isfinite(got).all())
@@ -146,21 +149,22 @@ def main(argv=None) -> int:
                     failures.append(f"{op} {name} M={M}: finite={finite} rel_err={err:.3e}")
                 # second set as well, after autotuning (split-K counters, other config)
                 x1, dy1, q1, _ = sets[1]
-                got1 = gemm.linear_w4a16(x1, *q1) if op == "fwd" else gemm.grad_input_w4a16(dy1, *q1)
+                got1 = (gemm.linear_w4a16(x1, *q1, _config=args.config) if op == "fwd"
+                        else gemm.grad_input_w4a16(dy1, *q1, _config=args.config))
                 want1 = (gemm.reference_linear(x1, *q1) if op == "fwd"
                          else gemm.reference_grad_input(dy1, *q1))
                 err1 = float((got1.float() - want1.float()).norm() / want1.float().norm())
                 if not (bool(torch.isfinite(got1).all()) and err1 <= 1e-2):
                     ok = False
                     failures.append(f"{op} {name} M={M} (set 1): rel_err={err1:.3e}")
-                best = getattr(gemm._tuned_kernel(), "best_config", None)
+                best = args.config or getattr(gemm._tuned_kernel(), "best_config", None)
 
                 # ---- timing, rotating over the sets
                 cyc_q = itertools.cycle(range(n_sets))
                 if op == "fwd":
                     def ours():
                         s = sets[next(cyc_q)]
-                        return gemm.linear_w4a16(s[0], *s[2])
+                        return gemm.linear_w4a16(s[0], *s[2], _config=args.config)
 
                     cyc_c = itertools.cycle(range(n_sets))
 
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
                 else:
                     def ours():
                         s = sets[next(cyc_q)]
-                        return gemm.grad_input_w4a16(s[1], *s[2])
+                        return gemm.grad_input_w4a16(s[1], *s[2], _config=args.config)
 
                     cyc_c = itertools.cycle(range(n_sets))
 
@@ -179,6 +183,31 @@ def main(argv=None) -> int:
                         return s[1] @ s[3]
                 t_ours = bench(ours)
                 t_cub = bench(cublas)
+                # GPU time without host gaps: all sets in one CUDA graph, per call
+                if op == "fwd":
+                    def all_sets():
+                        for s in sets:
+                            gemm.linear_w4a16(s[0], *s[2], _config=args.config)
+                else:
+                    def all_sets():
+                        for s in sets:
+                            gemm.grad_input_w4a16(s[1], *s[2], _config=args.config)
+                t_graph = do_bench_cudagraph(all_sets, rep=args.rep, return_mode="median") / n_sets
+                # host cost per call: launches only, no sync inside
+                torch.cuda.synchronize()
+                h0 = time.perf_counter()
+                for _ in range(100):
+                    ours()
+                host_us = (time.perf_counter() - h0) * 1e4
+                torch.cuda.synchronize()
+                # what NVFP4Linear does on CUDA by default: Triton dequantize + cuBLAS
+                cyc_d = itertools.cycle(range(n_sets))
+
+                def deq_cublas():
+                    s = sets[next(cyc_d)]
+                    w = triton_kernels.dequantize(*s[2], torch.bfloat16)
+                    return s[0] @ w.t() if op == "fwd" else s[1] @ w
+                t_deq = bench(deq_cublas)
                 flops = 2.0 * M * N * K
                 act = 2 * (M * K + M * N)
                 b_ours = w_bytes + act
@@ -194,10 +223,14 @@ def main(argv=None) -> int:
                     "pct_copy_bw": 100 * b_ours / (t_ours * 1e-3) / 1e9 / copy_gbs,
                     "pct_cublas": 100 * t_cub / t_ours,
                     "config": str(best) if best is not None else None,
+                    "ms_graph": t_graph, "host_us_per_call": host_us, "ms_dequant_cublas": t_deq,
+                    "pct_cublas_graph": 100 * t_cub / t_graph,
+                    "pct_copy_bw_graph": 100 * b_ours / (t_graph * 1e-3) / 1e9 / copy_gbs,
                 }
                 rows.append(row)
-                print(f"{op:4s} {name:18s} M={M:5d} {t_ours * 1e3:9.1f} us  cuBLAS "
-                      f"{t_cub * 1e3:9.1f} us  err {err:.1e}  [{row['config']}]", flush=True)
+                print(f"{op:4s} {name:18s} M={M:5d} {t_ours * 1e3:9.1f} us (graph {t_graph * 1e3:.1f}, host "
+                      f"{host_us:.0f}/call)  cuBLAS {t_cub * 1e3:9.1f} us  dequant+cuBLAS {t_deq * 1e3:.1f} us  "
+                      f"err {err:.1e}  [{row['config']}]", flush=True)
             del sets
             torch.cuda.empty_cache()
 
@@ -215,14 +248,15 @@ def main(argv=None) -> int:
     # ---- the table, last
     print()
     print(f"device {info['device']}  triton {info['triton']}  copy ceiling {copy_gbs:.0f} GB/s")
-    hdr = (f"{'op':4s} {'shape':18s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} "
-           f"{'%copy':>6s} {'cuBLAS us':>9s} {'cuTFLOP/s':>9s} {'%cuBLAS':>7s} {'ok':>3s}")
+    hdr = (f"{'op':4s} {'shape':18s} {'M':>5s} {'us':>9s} {'graph us':>9s} {'host us':>8s} {'TFLOP/s':>8s} "
+           f"{'%copy':>6s} {'cuBLAS us':>9s} {'%cuBLAS':>7s} {'%cuB gr':>7s} {'deq+cuB':>8s} {'ok':>3s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['op']:4s} {r['shape']:18s} {r['M']:5d} {r['ms'] * 1e3:9.1f} {r['tflops']:8.1f} "
-              f"{r['gbs']:7.0f} {r['pct_copy_bw']:6.1f} {r['ms_cublas'] * 1e3:9.1f} "
-              f"{r['tflops_cublas']:9.1f} {r['pct_cublas']:7.1f} {'y' if r['ok'] else 'N':>3s}")
+        print(f"{r['op']:4s} {r['shape']:18s} {r['M']:5d} {r['ms'] * 1e3:9.1f} {r['ms_graph'] * 1e3:9.1f} "
+              f"{r['host_us_per_call']:8.0f} {r['tflops']:8.1f} {r['pct_copy_bw_graph']:6.1f} "
+              f"{r['ms_cublas'] * 1e3:9.1f} {r['pct_cublas']:7.1f} {r['pct_cublas_graph']:7.1f} "
+              f"{r['ms_dequant_cublas'] * 1e3:8.1f} {'y' if r['ok'] else 'N':>3s}")
     if layer:
         print(f"layer step (7 linears, M={layer['M']}, fwd+dX): NVFP4 {layer['ms']:.2f} ms, "
               f"bf16 {layer['ms_bf16']:.2f} ms, ratio {layer['pct_bf16']:.1f} % of bf16 speed, "

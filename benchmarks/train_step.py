@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=32)
     ap.add_argument("--workdir", default="/tmp/qerl-bench")
     ap.add_argument("--json", help="save the figures here")
+    ap.add_argument("--profile", metavar="DIR", help="also write DIR/<base>/update_profile.txt (torch.profiler)")
     args = ap.parse_args()
     work = Path(args.workdir)
     bf16 = work / f"{args.shape}-bf16"
@@ -80,7 +81,8 @@ def main() -> None:
         t0 = time.time()
         subprocess.run([sys.executable, "-m", "components.train", "--model", str(nvfp4 if base == "nvfp4" else bf16),
                         "--rollouts", rollouts, "--rewards", rewards, "--output", str(out), "--config-text", cfg],
-                       check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                       check=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                        **({"QERL_PROFILE_DIR": f"{args.profile}/{base}"} if args.profile else {})})
         m = json.loads((out / "metrics.json").read_text())
         rows.append({"shape": args.shape, "base": base, "tokens": args.seqs * args.seq_len,
                      "update_tok_s": round(m["tokens_per_s"], 1), "update_s": round(m["seconds_update"], 2),

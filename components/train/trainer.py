@@ -16,11 +16,13 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import random
 import resource
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import torch
@@ -220,6 +222,29 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _update_profiler(device: torch.device):
+    """QERL_PROFILE_DIR=DIR: profile the update (torch.profiler) and write DIR/update_profile.txt."""
+    if not os.environ.get("QERL_PROFILE_DIR"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _write_profile(prof) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    out = Path(os.environ["QERL_PROFILE_DIR"])
+    out.mkdir(parents=True, exist_ok=True)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    (out / "update_profile.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    log.info("update profile written to %s", out / "update_profile.txt")
+
+
 def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device) -> dict:
     """Advantages, logp_old (+ ref), then `epochs` optimizer steps over the batch. Metrics."""
     obj = cfg.objective()
@@ -275,6 +300,7 @@ def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device)
     params = trainable(policy)
     policy.train()
     epochs, tokens_seen, t_upd = [], 0, time.time()
+    profiler = _update_profiler(device)
     for epoch in range(obj.epochs):
         opt.zero_grad(set_to_none=True)
         acc: dict[str, float] = {}
@@ -307,6 +333,8 @@ def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device)
         epochs.append(e)
         log.info("epoch %d/%d: loss %.5f, grad norm %.4f, lr %.3g, clip %.3f, approx KL %.2e",
                  epoch + 1, obj.epochs, e["loss"], e["grad_norm"], lr, e["clip_fraction"], e["approx_kl"])
+    if profiler is not None:
+        _write_profile(profiler)
     t_end = time.time()
     first, last = epochs[0], epochs[-1]
     metrics.update(

@@ -39,6 +39,7 @@ counter buffer; the trainer uses one stream.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -267,9 +268,14 @@ def _prune(configs, named_args, **kwargs):
     tiles, at most ~4 waves of programs, and every split gets ≥ 2 K tiles."""
     # Triton 3.6 passes keyword launch arguments in kwargs, not named_args (3.9 merges them).
     args = {**kwargs, **named_args}
-    m, n_out, red = args["M"], args["N_OUT"], args["RED"]
-    m_bucket = args["M_BUCKET"]
-    sms = _num_sms(args["a_ptr"].device)
+    keep = _bucket_configs(args["M"], args["N_OUT"], args["RED"], args["M_BUCKET"],
+                           _num_sms(args["a_ptr"].device))
+    return [c for c in configs if id(c) in keep]
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucket_configs(m: int, n_out: int, red: int, m_bucket: int, sms: int) -> frozenset:
+    """ids of the configs `_prune` keeps (cached: the launcher asks on every call)."""
     if m_bucket <= 32:
         ids, bms = _SMALL_IDS, ((16,) if m_bucket <= 16 else (32,))
     elif m_bucket <= 512:
@@ -277,7 +283,7 @@ def _prune(configs, named_args, **kwargs):
     else:
         ids, bms = _LARGE_IDS, (64, 128)
     out = []
-    for c in configs:
+    for c in _CONFIGS:
         kw = c.kwargs
         if id(c) not in ids or kw["BLOCK_M"] not in bms:
             continue
@@ -287,8 +293,16 @@ def _prune(configs, named_args, **kwargs):
             if tiles >= 2 * sms or tiles * split > 4 * sms \
                     or triton.cdiv(red, kw["BLOCK_K"]) < 2 * split:
                 continue
-        out.append(c)
-    return out
+        out.append(id(c))
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace_plan(m: int, n_out: int, red: int, m_bucket: int, sms: int) -> tuple[int, int]:
+    """(largest split, most output tiles) over the configs autotuning may pick for this call."""
+    cands = [c for c in _CONFIGS if id(c) in _bucket_configs(m, n_out, red, m_bucket, sms)]
+    return (max(c.kwargs["SPLIT_K"] for c in cands),
+            max(triton.cdiv(m, c.kwargs["BLOCK_M"]) * triton.cdiv(n_out, c.kwargs["BLOCK_N"]) for c in cands))
 
 
 # One fixed config under the interpreter (autotuning there would run every config on CPU).
@@ -393,11 +407,7 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
         )
     else:
         kernel = _tuned_kernel()
-        named = {"M": M, "N_OUT": n_out, "RED": red, "M_BUCKET": m_bucket, "a_ptr": a2}
-        cands = _prune(_CONFIGS, named)
-        max_split = max(c.kwargs["SPLIT_K"] for c in cands)
-        max_tiles = max(triton.cdiv(M, c.kwargs["BLOCK_M"]) * triton.cdiv(n_out, c.kwargs["BLOCK_N"])
-                        for c in cands)
+        max_split, max_tiles = _workspace_plan(M, n_out, red, m_bucket, _num_sms(a.device))
         ws = (torch.empty(max_split * M * n_out, dtype=torch.float32, device=a.device)
               if max_split > 1 else out)
         cnt = _counters(a.device, max_tiles)
