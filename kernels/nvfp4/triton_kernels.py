@@ -147,21 +147,25 @@ def _nvfp4_dequantize_kernel(
     pcols = grps[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     byte = tl.load(packed_ptr + rows64[:, None, None] * (K // 2) + pcols, mask=mask3, other=0)
     byte = byte.to(tl.int32)
-    code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_M, BLOCK_G, 16))
     s_code = tl.load(scale_ptr + rows64[:, None] * G + grps[None, :], mask=mask2, other=0)
     g = tl.load(g_ptr)
     s_eff = tl.div_rn(_e4m3_decode(s_code.to(tl.int32)), g)
-    w = _e2m1_decode(code) * s_eff[:, :, None]
-
-    cols = grps[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    offs = rows64[:, None, None] * K + cols
-    if KIND == 1:  # out_ptr is the int16 view of a bf16 tensor
-        bits = _round_bf16(w).to(tl.int32, bitcast=True) >> 16
-        tl.store(out_ptr + offs, bits.to(tl.int16), mask=mask3)
-    elif KIND == 2:
-        tl.store(out_ptr + offs, w.to(tl.float16), mask=mask3)
+    if KIND == 1:
+        # bf16: each packed byte becomes one 32-bit word, low nibble's bf16 in the low half
+        # (little endian: element 2i first), so no nibble interleave and 4-byte stores.
+        lo = _round_bf16(_e2m1_decode(byte & 15) * s_eff[:, :, None]).to(tl.int32, bitcast=True)
+        hi = _round_bf16(_e2m1_decode(byte >> 4) * s_eff[:, :, None]).to(tl.int32, bitcast=True)
+        word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
+        tl.store(out_ptr + rows64[:, None, None] * (K // 2) + pcols, word, mask=mask3)
     else:
-        tl.store(out_ptr + offs, w, mask=mask3)
+        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_M, BLOCK_G, 16))
+        w = _e2m1_decode(code) * s_eff[:, :, None]
+        cols = grps[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        offs = rows64[:, None, None] * K + cols
+        if KIND == 2:
+            tl.store(out_ptr + offs, w.to(tl.float16), mask=mask3)
+        else:
+            tl.store(out_ptr + offs, w, mask=mask3)
 
 
 _BLOCK_M = 16
@@ -226,7 +230,7 @@ def dequantize(
     out = torch.empty((m, k), dtype=dtype, device=dev)
     if m and k:
         _nvfp4_dequantize_kernel[_grid(m, k)](
-            packed, scale, g, out.view(torch.int16) if dtype == torch.bfloat16 else out, m, k,
+            packed, scale, g, out.view(torch.int32) if dtype == torch.bfloat16 else out, m, k,
             KIND=_DTYPE_KIND[dtype], BLOCK_M=_BLOCK_M, BLOCK_G=_BLOCK_G,
         )
     return out
