@@ -44,7 +44,7 @@ def test_explicit_choice_and_fallbacks():
 
 def test_engine_settings_select_each_backend():
     assert engine_settings("humming") == ({"linear_backend": "humming"}, {"QERL_NVFP4_BACKEND": ""})
-    assert engine_settings("dequant") == ({}, {"QERL_NVFP4_BACKEND": "dequant"})
+    assert engine_settings("dequant") == ({}, {"QERL_NVFP4_BACKEND": "dequant", "VLLM_DISABLE_COMPILE_CACHE": "1"})
     assert engine_settings("marlin") == ({}, {"QERL_NVFP4_BACKEND": ""})
     with pytest.raises(ConfigError):
         engine_settings("auto")

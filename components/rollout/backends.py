@@ -40,7 +40,7 @@ def load_table(path: Path = TABLE_PATH) -> dict | None:
 
 
 def _nearest(measured: list[int], concurrency: int) -> int:
-    return min(measured, key=lambda c: (abs(math.log(c) - math.log(max(concurrency, 1))), c))
+    return min(measured, key=lambda c: (round(abs(math.log(c) - math.log(max(concurrency, 1))), 9), c))
 
 
 def choose_backend(requested: str, concurrency: int, cuda: bool, table: dict | None,
@@ -78,7 +78,11 @@ def engine_settings(backend: str) -> tuple[dict, dict]:
     if backend == "humming":
         return {"linear_backend": "humming"}, {"QERL_NVFP4_BACKEND": ""}
     if backend == "dequant":
-        return {}, {"QERL_NVFP4_BACKEND": "dequant"}
+        # vLLM's torch.compile (AOT) cache key does not see which kernel the plugin chose: a
+        # graph compiled for one backend was loaded for the other and failed (seen with vLLM
+        # 0.26: KeyError 'qerl_weight_dequant' under marlin). The dequant engine neither
+        # loads nor saves compiled graphs, so each backend only ever sees its own.
+        return {}, {"QERL_NVFP4_BACKEND": "dequant", "VLLM_DISABLE_COMPILE_CACHE": "1"}
     if backend == "marlin":  # vLLM 0.26 forces Marlin for W4A16 under linear_backend=auto
         return {}, {"QERL_NVFP4_BACKEND": ""}
     raise ConfigError(f"unknown nvfp4 backend {backend!r}")
