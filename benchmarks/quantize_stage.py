@@ -27,6 +27,16 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
 }
 
 
+def qwen2_config(shape: str) -> dict:
+    """The HF config.json of a Qwen2 model of `shape` (SHAPES)."""
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645}
+
+
 def make_checkpoint(path: Path, shape: str, shard_bytes: int = 4 << 30) -> None:
     from safetensors.torch import save_file
 
@@ -67,12 +77,7 @@ def make_checkpoint(path: Path, shape: str, shard_bytes: int = 4 << 30) -> None:
         weight_map.update({k: fname for k in shard})
         total += sum(t.numel() * 2 for t in shard.values())
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
-              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 32768,
-              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-              "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645}
-    (path / "config.json").write_text(json.dumps(config, indent=1))
+    (path / "config.json").write_text(json.dumps(qwen2_config(shape), indent=1))
 
 
 def main() -> None:

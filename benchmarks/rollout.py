@@ -27,21 +27,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.quantize_stage import SHAPES  # noqa: E402
+from benchmarks.quantize_stage import SHAPES, qwen2_config  # noqa: E402
 
 BACKENDS = ("bf16", "marlin", "humming", "dequant")
 
 
 def model_dir(root: Path, shape: str, quantized: bool) -> Path:
     """A config-only checkpoint dir (weights come from load_format='dummy')."""
-    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
     d = root / f"{shape}-{'nvfp4' if quantized else 'bf16'}"
     d.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
-              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 32768,
-              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-              "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645}
+    config = qwen2_config(shape)
     if quantized:
         from components.quantize.__main__ import quantization_config
 
