@@ -18,17 +18,20 @@ result is rounded to bf16 (nearest even). This is the exact product with the flo
 dequantized weight, i.e. slightly *more* accurate than multiplying by the bf16-rounded Ŵ that
 `reference.dequantize` returns (they differ by ≤ 2⁻⁹ relative per weight element).
 
-Bit decoding uses integer ops only (no fp8 dtype, no subnormal floats), so it is the same on
-a GPU and in the CPU interpreter (TRITON_INTERPRET=1): the e4m3 scale bytes are loaded as
-uint8 and decoded with `triton_kernels._e4m3_decode`; an E2M1 code c becomes the bf16 bit
-pattern  (c&7 >= 2 ? ((c&7) << 6) + 0x3F00 : (c&7) · 0x3F00) | (c&8) << 12.
+Decoding. On the GPU, inline PTX (`_DECODE_ASM`, 2.9 instructions per weight) produces
+E2M1 · s · 2^-8 in bf16 (exact) and the epilogue multiplies by 2^8; the CPU interpreter,
+which cannot run PTX, uses an integer decode in float32: an E2M1 code c becomes the bf16 bit
+pattern (c&7 >= 2 ? ((c&7) << 6) + 0x3F00 : (c&7) · 0x3F00) | (c&8) << 12. Both give the same
+products. The e4m3 scale bytes are loaded as uint8 and decoded with
+`triton_kernels._e4m3_decode` (no fp8 dtype). Measured speeds and what limits them: NOTES.md.
 
 One kernel serves both directions. The weight tile is always read as [rows of W, columns of
 W], with the two codes of a byte adjacent along W's columns (K): in the forward the columns
 are the reduction dim (tile [BLOCK_N, BLOCK_K]), in dX the reduction runs over W's rows and
 the columns are the output dim (tile [BLOCK_K, BLOCK_N]); either way a tile is loaded as
-bytes [rows, groups, 8], split into nibbles, joined and reshaped to [rows, groups, 16] so the
-block scale [rows, groups] broadcasts over the last axis.
+bytes [rows, groups, 8] (so the block scale [rows, groups] broadcasts over a group's 8 bytes),
+decoded into the low- and high-nibble weights, joined and reshaped to [rows, groups·16] (the
+pair of a join sits in one thread).
 
 Small M (decode-like) uses split-K: each split stores its float32 partial tile into a
 workspace, bumps a per-tile counter, and the last split to arrive sums the partials in split
@@ -62,24 +65,74 @@ __all__ = [
 
 # ------------------------------------------------------------------ the kernel
 
+# Inline PTX (GPU only): 4 packed bytes → their 4 low-nibble and 4 high-nibble weights as bf16,
+# times the block scale. Operands: $0,$1 low codes of bytes (0,1),(2,3); $2,$3 high codes;
+# $4 the 4 bytes; $5,$6 the scale of elements (0,1),(2,3) as bf16x2.
+# A code's 3 magnitude bits go to bf16 bits 6-8 (mantissa msb + 2 low exponent bits) and its
+# sign to bit 15: that is E2M1(code) · 2^-126 exactly (code 1 lands on the subnormal 2^-127),
+# so the scale operand carries s · 2^118 and the epilogue multiplies by 2^8 (`_SCALE_BIAS`).
+# 2 prmt + 8 × (2 shifts, lop3, and) + 4 bf16x2 fma for 8 weights, against ~12 integer ops per
+# weight for the portable decode below.
+_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 t01, t23, x, y, z;
+mov.b32 z, 0x80008000;
+prmt.b32 t01, $4, $4, 0x1100;
+prmt.b32 t23, $4, $4, 0x3322;
+shl.b32 x, t01, 6;
+shl.b32 y, t01, 12;
+lop3.b32 x, x, y, 0x01C001C0, 0xE4;
+and.b32 x, x, 0x81C081C0;
+fma.rn.bf16x2 $0, x, $5, z;
+shl.b32 x, t23, 6;
+shl.b32 y, t23, 12;
+lop3.b32 x, x, y, 0x01C001C0, 0xE4;
+and.b32 x, x, 0x81C081C0;
+fma.rn.bf16x2 $1, x, $6, z;
+shl.b32 x, t01, 2;
+shl.b32 y, t01, 8;
+lop3.b32 x, x, y, 0x01C001C0, 0xE4;
+and.b32 x, x, 0x81C081C0;
+fma.rn.bf16x2 $2, x, $5, z;
+shl.b32 x, t23, 2;
+shl.b32 y, t23, 8;
+lop3.b32 x, x, y, 0x01C001C0, 0xE4;
+and.b32 x, x, 0x81C081C0;
+fma.rn.bf16x2 $3, x, $6, z;
+}
+""")
+_SCALE_BIAS = 256.0  # the GPU decode's weights are E2M1 · s · 2^-8 (see _DECODE_ASM)
+_SCALE_BIAS_C = tl.constexpr(_SCALE_BIAS)
+_TWO_POW_118 = tl.constexpr(2.0 ** 118)
+
+
+@triton.jit
+def _e2m1_fp32(code):
+    """int32 codes 0..15 → float32 E2M1 values (portable integer decode)."""
+    idx = code & 7
+    mag = tl.where(idx >= 2, (idx << 6) + 0x3F00, idx * 0x3F00)  # bf16 bit pattern of |value|
+    bits = (mag | ((code & 8) << 12)) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _decode_tile(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr):
-    """bytes b int32 [BR, G, 8] + e4m3 bytes sc int32 [BR, G] → bf16 [BR, G*16] = E2M1 · s.
+    """bytes b uint8 [BR, G, 8] + e4m3 bytes sc uint8 [BR, G] → the weights [BR, G*16]
+    (element 2i from the low nibble of byte i), times the block scale.
 
-    GPU_MATH: multiply in bf16 (GPU: packed bf16x2 math) and return bf16, or multiply in
-    float32 and return float32 (the CPU interpreter of triton 3.9 gets bf16 arithmetic and
-    bf16 tl.dot wrong). Both are exact, so both give the same values."""
-    code = tl.reshape(tl.join(b & 15, b >> 4), (BR, G, 16))  # element 2i = low nibble
-    idx = code & 7
-    mag = tl.where(idx >= 2, (idx << 6) + 0x3F00, idx * 0x3F00)
-    bits = mag | ((code & 8) << 12)
-    w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    s = _e4m3_decode(sc)
+    GPU_MATH: inline PTX, bf16 values E2M1 · s · 2^-8 (exact); otherwise (the CPU interpreter,
+    whose bf16 arithmetic and bf16 tl.dot are wrong) float32 values E2M1 · s (exact)."""
+    s = _e4m3_decode(sc.to(tl.int32))
     if GPU_MATH:
-        w = w * s.to(tl.bfloat16)[:, :, None]  # exact: e4m3 values are bf16; ≤ 6 sig. bits
+        s2 = tl.broadcast_to((s * _TWO_POW_118).to(tl.bfloat16)[:, :, None], (BR, G, 8))  # s · 2^118
+        lo, hi = tl.inline_asm_elementwise(
+            _DECODE_ASM, "=r,=r,=r,=r,r,r,r", [b, s2],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        w = w.to(tl.float32) * s[:, :, None]
-    return tl.reshape(w, (BR, G * 16))
+        bi = b.to(tl.int32)
+        lo = _e2m1_fp32(bi & 15) * s[:, :, None]
+        hi = _e2m1_fp32(bi >> 4) * s[:, :, None]
+    return tl.reshape(tl.join(lo, hi), (BR, G * 16))  # the join's pair sits in one thread
 
 
 @triton.jit
@@ -160,7 +213,7 @@ def _w4a16_kernel(
                 wmask = wmask & k_ok[:, None]
             b = tl.load(p_ptrs, mask=wmask[:, :, None], other=0)
             sc = tl.load(s_ptrs, mask=wmask, other=0)
-            w = _decode_tile(b.to(tl.int32), sc.to(tl.int32), BLOCK_K, GW, GPU_MATH)  # [BK, BN]
+            w = _decode_tile(b, sc, BLOCK_K, GW, GPU_MATH)  # [BK, BN]
             if SWAP_AB:
                 acc = tl.dot(tl.trans(w), tl.trans(a), acc)
             else:
@@ -172,7 +225,7 @@ def _w4a16_kernel(
                 wmask = wmask & g_ok[None, :]
             b = tl.load(p_ptrs, mask=wmask[:, :, None], other=0)
             sc = tl.load(s_ptrs, mask=wmask, other=0)
-            w = _decode_tile(b.to(tl.int32), sc.to(tl.int32), BLOCK_N, GW, GPU_MATH)  # [BN, BK]
+            w = _decode_tile(b, sc, BLOCK_N, GW, GPU_MATH)  # [BN, BK]
             if SWAP_AB:
                 acc = tl.dot(w, tl.trans(a), acc)
             else:
@@ -183,6 +236,8 @@ def _w4a16_kernel(
 
     if SWAP_AB:
         acc = tl.trans(acc)
+    if GPU_MATH:
+        acc = acc * _SCALE_BIAS_C  # the decoded weights carry 2^-8 (see _DECODE_ASM)
     n_ok = rn < N_OUT
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_offs = rm.to(tl.int64)[:, None] * N_OUT + rn[None, :]
@@ -226,26 +281,23 @@ def _cfg(bm, bn, bk, warps, stages, swap, split=1):
 
 
 # Compile cost matters (each variant takes ~3-15 s to compile for sm_90, serially), so the
-# lists are short. Checked offline with ptxas for sm_90a (triton 3.9): the swapped
-# orientation at BLOCK_M=16 feeds the dequantized tile to wgmma m64n16 straight from
-# registers (no spills); unswapped BLOCK_M=16 falls back to mma.sync and spills; 256-wide
-# tiles with 8 warps spill (acc 128 regs + dequant temporaries), 128×128×64 does not.
+# lists are short. All are swapped (out^T = W·a^T): the decoded tile is wgmma's A operand,
+# straight from registers. Unswapped tiles put it in shared memory for the B operand; with the
+# inline-PTX decode triton 3.6 fails to compile those (TritonGPUOptimizeDotOperands: "Illegal
+# shared layout"), and on the H200 they were slower anyway (NOTES.md).
 # small M (≤ 32): memory bound on the weight; split-K for parallelism.
 _SMALL = [_cfg(bm, bn, bk, 4, 4, True, split)
           for bm in (16, 32)
           for bn, bk in ((64, 128), (64, 256), (128, 128))
           for split in (1, 2, 4, 8, 16)]
 # medium M (≤ 512)
-_MEDIUM = [_cfg(bm, bn, bk, w, st, swap, split)
-           for swap in (False, True)
-           for bm, bn, bk, w, st in ((64, 128, 128, 4, 3), (128, 128, 64, 8, 4),
-                                     (128, 64, 128, 4, 4))
+_MEDIUM = [_cfg(bm, bn, bk, w, st, True, split)
+           for bm, bn, bk, w, st in ((64, 128, 128, 4, 3), (128, 128, 64, 8, 4), (128, 64, 128, 4, 4))
            for split in (1, 2, 4, 8)]
-# large M: compute bound; the dequant ALU work per MAC is 1/BLOCK_M (1/BLOCK_N swapped).
-_LARGE = [_cfg(bm, bn, bk, w, st, swap, 1)
-          for swap in (False, True)
-          for bm, bn, bk, w, st in ((128, 128, 64, 8, 4), (128, 128, 64, 8, 3),
-                                    (128, 64, 128, 4, 4), (64, 128, 64, 4, 4))]
+# large M: compute bound; the decode work per MAC is 1/BLOCK_M.
+_LARGE = [_cfg(bm, bn, bk, w, st, True, 1)
+          for bm, bn, bk, w, st in ((128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 128, 8, 2),
+                                    (128, 128, 64, 4, 4))]
 _CONFIGS = _SMALL + _MEDIUM + _LARGE
 _SMALL_IDS = {id(c) for c in _SMALL}
 _MEDIUM_IDS = {id(c) for c in _MEDIUM}
@@ -281,7 +333,7 @@ def _bucket_configs(m: int, n_out: int, red: int, m_bucket: int, sms: int) -> fr
     elif m_bucket <= 512:
         ids, bms = _MEDIUM_IDS, (64, 128)
     else:
-        ids, bms = _LARGE_IDS, (64, 128)
+        ids, bms = _LARGE_IDS, (128, 256)
     out = []
     for c in _CONFIGS:
         kw = c.kwargs
