@@ -333,9 +333,9 @@ def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device)
         epochs.append(e)
         log.info("epoch %d/%d: loss %.5f, grad norm %.4f, lr %.3g, clip %.3f, approx KL %.2e",
                  epoch + 1, obj.epochs, e["loss"], e["grad_norm"], lr, e["clip_fraction"], e["approx_kl"])
+    t_end = time.time()  # before the profile is written: building its table takes tens of seconds
     if profiler is not None:
         _write_profile(profiler)
-    t_end = time.time()
     first, last = epochs[0], epochs[-1]
     metrics.update(
         updated=True, optimizer_steps=obj.epochs, step_after=sched.last_epoch, micro_batches=len(mbs),
