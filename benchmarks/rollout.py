@@ -95,11 +95,13 @@ def worker(args) -> dict:
 
     conc = [int(c) for c in args.concurrency.split(",")]
     mdir = model_dir(root, args.shape, quantized=backend != "bf16")
-    ldir = lora_dir(root, args.shape, args.lora_rank)
+    use_lora = args.lora_rank > 0
+    ldir = lora_dir(root, args.shape, args.lora_rank) if use_lora else None
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512} & set(range(1, max(conc) + 1)) | set(conc))
     t0 = time.time()
     llm = LLM(model=str(mdir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              enable_lora=True, max_lora_rank=args.lora_rank, max_loras=1, max_num_seqs=max(conc),
+              enable_lora=use_lora, max_lora_rank=args.lora_rank if use_lora else 16, max_loras=1,
+              max_num_seqs=max(conc),
               max_model_len=args.prompt_len + args.max_tokens + 16, enable_prefix_caching=False,
               gpu_memory_utilization=args.gpu_memory_utilization,
               compilation_config={"cudagraph_capture_sizes": sizes}, **extra)
@@ -112,7 +114,7 @@ def worker(args) -> dict:
         return kernels, nbytes
 
     kernels, weight_bytes = llm.apply_model(inspect)[0]
-    lora = LoRARequest("bench", 1, str(ldir))
+    lora = LoRARequest("bench", 1, str(ldir)) if use_lora else None
     gen = torch.Generator().manual_seed(1)
     vocab = SHAPES[args.shape][5]
 
@@ -124,7 +126,7 @@ def worker(args) -> dict:
         outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs), time.time() - t
 
-    result = {"backend": backend, "shape": args.shape, "engine_start_s": round(start_s, 1), "linear_kernels": kernels,
+    result = {"backend": backend, "shape": args.shape, "lora_rank": args.lora_rank, "engine_start_s": round(start_s, 1), "linear_kernels": kernels,
               "weight_gib": round(weight_bytes / 2**30, 2), "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
               "tokens_per_second": {}, "seconds": {}}
     deadline = time.time() + args.budget_s
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma list of " + ", ".join(BACKENDS))
     ap.add_argument("--concurrency", default="1,16,64,256", help="comma list of sequences in flight")
-    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--lora-rank", type=int, default=32, help="0: no LoRA (to see what the adapter costs)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
