@@ -201,7 +201,8 @@ def report(out: Path, table_path: str | None) -> None:
     any_r = next(iter(results.values()))
     table = {"measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, LoRA, benchmarks/rollout.py, "
                             f"{time.strftime('%Y-%m-%d')}",
-             "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()}}
+             "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()},
+             "engine_start_s": {b: r["engine_start_s"] for b, r in results.items()}}
     bf16 = results.get("bf16", {}).get("tokens_per_second", {})
     print("\nauto choice per concurrency (rollout stage, from these figures):")
     for c in conc:

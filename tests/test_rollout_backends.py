@@ -31,6 +31,21 @@ def test_reason_names_the_figures_and_other_hardware():
     assert "other hardware" in why
 
 
+def test_expected_stage_time_decides_when_tokens_and_start_times_are_known():
+    table = dict(TABLE, engine_start_s={"bf16": 80, "marlin": 90, "humming": 190, "dequant": 110})
+    # 1M tokens at 64 sequences: marlin 90 + 135 = 225 s, dequant 110 + 123 = 233 s, humming 190 + 114 = 304 s
+    backend, why = choose_backend("auto", 64, True, table, "NVIDIA H200", tokens=1_000_000)
+    assert backend == "marlin"
+    assert why.startswith("marlin: about 225 s for up to 1,000,000 tokens") and "dequant 233 s" in why \
+        and "humming 304 s" in why and "concurrency 64" in why
+    # 50M tokens: throughput wins (humming 190 + 5,682 s)
+    assert choose_backend("auto", 64, True, table, tokens=50_000_000)[0] == "humming"
+    # without a token count, or with a start time missing, the most tokens/s decides
+    assert choose_backend("auto", 64, True, table)[0] == "humming"
+    partial = dict(TABLE, engine_start_s={"marlin": 90, "dequant": 110})
+    assert choose_backend("auto", 64, True, partial, tokens=1_000_000)[0] == "humming"
+
+
 def test_explicit_choice_and_fallbacks():
     assert choose_backend("humming", 1, True, TABLE) == ("humming", "requested")
     assert choose_backend("auto", 8, True, None)[0] == "marlin"  # no measurements: vLLM's default
@@ -65,6 +80,9 @@ def test_table_file(tmp_path):
     for c in ("1", "16", "64", "256"):
         assert all(c in shipped["tokens_per_second"][b] for b in ("bf16", "marlin")), c
     assert choose_backend("auto", 256, True, shipped)[0] in ("marlin", "humming", "dequant")
+    assert set(shipped["engine_start_s"]) >= {"marlin", "humming", "dequant"}
+    assert choose_backend("auto", 64, True, shipped, tokens=1_000_000)[1].startswith(
+        choose_backend("auto", 64, True, shipped, tokens=1_000_000)[0] + ": about")
 
 
 def test_rollout_config_rejects_an_unknown_backend():

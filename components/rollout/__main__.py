@@ -52,8 +52,9 @@ class RolloutConfig:
     max_model_len: int = field(2048, help="engine context length (prompt + completion)")
     kv_cache_gb: float = field(1.0, help="CPU KV-cache size in GiB")
     gpu_memory_utilization: float = field(0.85, help="GPU memory fraction vLLM may take")
-    nvfp4_backend: str = field("auto", help="GPU kernel for the NVFP4 layers: auto (the fastest measured at this "
-                               "task's concurrency, components/rollout/backend_throughput.json), marlin, humming, "
+    nvfp4_backend: str = field("auto", help="GPU kernel for the NVFP4 layers: auto (the shortest expected stage time, "
+                               "engine start + tokens / measured tokens/s at this task's concurrency, from "
+                               "components/rollout/backend_throughput.json), marlin, humming, "
                                "or dequant (bf16 copy of the dequantized weights: cuBLAS speed, bf16 memory); "
                                "CPUs always use dequant", metavar="NAME")
     max_num_seqs: int = field(256, help="most sequences the engine runs at once (the concurrency)")
@@ -95,7 +96,7 @@ def select_prompts(rows: list[dict], cfg: RolloutConfig) -> list[dict]:
     return window[cfg.shard::cfg.num_shards]
 
 
-def pick_backend(cfg: RolloutConfig, concurrency: int) -> tuple[str, str]:
+def pick_backend(cfg: RolloutConfig, concurrency: int, tokens: int) -> tuple[str, str]:
     """The NVFP4 backend for this task and why (see components/rollout/backends.py)."""
     import torch
 
@@ -103,7 +104,7 @@ def pick_backend(cfg: RolloutConfig, concurrency: int) -> tuple[str, str]:
 
     cuda = torch.cuda.is_available()
     return choose_backend(cfg.nvfp4_backend, concurrency, cuda, load_table() if cuda else None,
-                          torch.cuda.get_device_name() if cuda else "")
+                          torch.cuda.get_device_name() if cuda else "", tokens=tokens)
 
 
 def main(cfg: RolloutConfig) -> None:
@@ -127,7 +128,8 @@ def main(cfg: RolloutConfig) -> None:
         adapter_dir = adapter.local_dir()
         from components.rollout.engine import check_adapter
         lora_cfg = check_adapter(adapter_dir, json.loads((model_dir / "config.json").read_text()), cfg.max_lora_rank)
-    backend, why = pick_backend(cfg, concurrency=min(cfg.max_num_seqs, len(chosen) * cfg.samples))
+    backend, why = pick_backend(cfg, concurrency=min(cfg.max_num_seqs, len(chosen) * cfg.samples),
+                                tokens=len(chosen) * cfg.samples * cfg.max_tokens)
     log.info("NVFP4 backend %s", why if why.startswith(backend) else f"{backend} ({why})")
     engine = RolloutEngine(model_dir, EngineConfig(max_lora_rank=cfg.max_lora_rank, max_model_len=cfg.max_model_len,
                                                    kv_cache_gb=cfg.kv_cache_gb, seed=cfg.seed,

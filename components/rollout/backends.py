@@ -8,10 +8,14 @@ Backends (all serve the same weights: the NVFP4 checkpoint's dequantized values)
   weights are expanded to bf16 once at load and served by cuBLAS. Fastest at large batches,
   costs the bf16 weight memory (plus the packed tensors). The only backend on CPUs.
 
-``auto`` picks, for the task's concurrency (sequences in flight), the backend with the most
-output tokens/s in the measured table `backend_throughput.json`, written by
-``benchmarks/rollout.py --write-table``. The nearest measured concurrency (in log scale) is
-used. No GPU imports here: the pipeline and tests read this module.
+``auto`` picks from the measured table `backend_throughput.json` (written by
+``benchmarks/rollout.py --write-table``), at the nearest measured concurrency (log scale) to
+the task's sequences in flight. When the stage says how many tokens it will generate at most
+and the table has every backend's engine start time, it takes the backend with the shortest
+expected stage time, start + tokens / (tokens/s): each stage run starts its own engine, and
+on the H200 Humming's start took 105 s longer than Marlin's, more than its higher throughput
+gives back on a rollout of a few million tokens. Otherwise it takes the most tokens/s.
+No GPU imports here: the pipeline and tests read this module.
 """
 from __future__ import annotations
 
@@ -44,8 +48,11 @@ def _nearest(measured: list[int], concurrency: int) -> int:
 
 
 def choose_backend(requested: str, concurrency: int, cuda: bool, table: dict | None,
-                   gpu_name: str = "") -> tuple[str, str]:
-    """(backend, reason): the backend to serve NVFP4 with and a sentence saying why."""
+                   gpu_name: str = "", tokens: int | None = None) -> tuple[str, str]:
+    """(backend, reason): the backend to serve NVFP4 with and a sentence saying why.
+
+    tokens: the most output tokens the stage will generate (prompts × samples × max tokens);
+    with it, and engine start times in the table, the expected stage time decides."""
     if requested not in CHOICES:
         raise ConfigError(f"nvfp4 backend must be one of {', '.join(CHOICES)}, not {requested!r}")
     if not cuda:
@@ -62,14 +69,22 @@ def choose_backend(requested: str, concurrency: int, cuda: bool, table: dict | N
     if not measured:
         return "marlin", "the measured table has no NVFP4 rows: vLLM's default"
     at = _nearest(measured, concurrency)
-    scores = {b: r[at] for b, r in rows.items() if at in r}
-    best = max(scores, key=scores.get)
-    others = ", ".join(f"{b} {v:,.0f}" for b, v in sorted(scores.items(), key=lambda kv: -kv[1]) if b != best)
+    rates = {b: r[at] for b, r in rows.items() if at in r}
     where = table.get("measured_on", "?")
     note = "" if not gpu_name or gpu_name in where else f"; measured on other hardware than this {gpu_name}"
     bf16 = tps.get("bf16", {}).get(str(at))
+    starts = table.get("engine_start_s") or {}
+    if tokens and all(isinstance(starts.get(b), (int, float)) for b in rates):
+        secs = {b: float(starts[b]) + tokens / v for b, v in rates.items()}
+        best = min(secs, key=secs.get)
+        others = ", ".join(f"{b} {v:,.0f} s" for b, v in sorted(secs.items(), key=lambda kv: kv[1]) if b != best)
+        return best, (f"{best}: about {secs[best]:,.0f} s for up to {tokens:,} tokens (engine start "
+                      f"{float(starts[best]):,.0f} s + {rates[best]:,.0f} tok/s) vs {others or 'nothing else'}, "
+                      f"at concurrency {at} (nearest measured to {concurrency}; {where}){note}")
+    best = max(rates, key=rates.get)
+    others = ", ".join(f"{b} {v:,.0f}" for b, v in sorted(rates.items(), key=lambda kv: -kv[1]) if b != best)
     vs = f", bf16 {float(bf16):,.0f}" if bf16 else ""
-    return best, (f"{best}: {scores[best]:,.0f} output tok/s vs {others or 'nothing else'}{vs} at concurrency "
+    return best, (f"{best}: {rates[best]:,.0f} output tok/s vs {others or 'nothing else'}{vs} at concurrency "
                   f"{at} (nearest measured to {concurrency}; {where}){note}")
 
 
