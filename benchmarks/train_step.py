@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/qerl-bench")
     ap.add_argument("--json", help="save the figures here")
     ap.add_argument("--profile", metavar="DIR", help="also write DIR/<base>/update_profile.txt (torch.profiler)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="warn at every GPU->host sync in the update (QERL_SYNC_DEBUG=1; the stage log names each site)")
     args = ap.parse_args()
     work = Path(args.workdir)
     bf16 = work / f"{args.shape}-bf16"
@@ -82,7 +84,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "components.train", "--model", str(nvfp4 if base == "nvfp4" else bf16),
                         "--rollouts", rollouts, "--rewards", rewards, "--output", str(out), "--config-text", cfg],
                        check=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                        **({"QERL_PROFILE_DIR": f"{args.profile}/{base}"} if args.profile else {})})
+                                        **({"QERL_PROFILE_DIR": f"{args.profile}/{base}"} if args.profile else {}),
+                                        **({"QERL_SYNC_DEBUG": "1"} if args.sync_debug else {})})
         m = json.loads((out / "metrics.json").read_text())
         rows.append({"shape": args.shape, "base": base, "tokens": args.seqs * args.seq_len,
                      "update_tok_s": round(m["tokens_per_s"], 1), "update_s": round(m["seconds_update"], 2),

@@ -223,7 +223,10 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 def _update_profiler(device: torch.device):
-    """QERL_PROFILE_DIR=DIR: profile the update (torch.profiler) and write DIR/update_profile.txt."""
+    """QERL_PROFILE_DIR=DIR: profile the update (torch.profiler) and write DIR/update_profile.txt.
+    QERL_SYNC_DEBUG=1 (CUDA): warn, once per call site, at every GPU→host sync in the update."""
+    if device.type == "cuda" and os.environ.get("QERL_SYNC_DEBUG", "0") not in ("", "0"):
+        torch.cuda.set_sync_debug_mode("warn")
     if not os.environ.get("QERL_PROFILE_DIR"):
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -334,6 +337,8 @@ def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device)
         log.info("epoch %d/%d: loss %.5f, grad norm %.4f, lr %.3g, clip %.3f, approx KL %.2e",
                  epoch + 1, obj.epochs, e["loss"], e["grad_norm"], lr, e["clip_fraction"], e["approx_kl"])
     t_end = time.time()  # before the profile is written: building its table takes tens of seconds
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("default")
     if profiler is not None:
         _write_profile(profiler)
     first, last = epochs[0], epochs[-1]
