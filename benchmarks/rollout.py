@@ -126,7 +126,8 @@ def worker(args) -> dict:
         outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs), time.time() - t
 
-    result = {"backend": backend, "shape": args.shape, "lora_rank": args.lora_rank, "engine_start_s": round(start_s, 1), "linear_kernels": kernels,
+    result = {"backend": backend, "shape": args.shape, "lora_rank": args.lora_rank,
+              "engine_start_s": round(start_s, 1), "linear_kernels": kernels,
               "weight_gib": round(weight_bytes / 2**30, 2), "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
               "tokens_per_second": {}, "seconds": {}}
     deadline = time.time() + args.budget_s
@@ -199,12 +200,15 @@ def report(out: Path, table_path: str | None) -> None:
         print(f"| {b} | {', '.join(r['linear_kernels']) or 'none'} | {r['weight_gib']} | {r['engine_start_s']} | "
               + " | ".join(cells) + " |")
     any_r = next(iter(results.values()))
-    table = {"measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, LoRA, benchmarks/rollout.py, "
-                            f"{time.strftime('%Y-%m-%d')}",
+    rank = any_r.get("lora_rank", 32)  # results written before lora_rank was recorded ran r32
+    lora = f"LoRA r{rank}" if rank else "no LoRA"
+    table = {"measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, {lora}, "
+                            f"benchmarks/rollout.py, {time.strftime('%Y-%m-%d')}",
              "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()},
              "engine_start_s": {b: r["engine_start_s"] for b, r in results.items()}}
     bf16 = results.get("bf16", {}).get("tokens_per_second", {})
-    print("\nauto choice per concurrency (rollout stage, from these figures):")
+    print("\nfastest NVFP4 backend per concurrency (steady state; the rollout stage's auto also counts "
+          "engine start against the task's tokens, see components/rollout/backends.py):")
     for c in conc:
         if not any(str(c) in results[b]["tokens_per_second"] for b in NVFP4_BACKENDS if b in results):
             continue
