@@ -73,34 +73,21 @@ __all__ = [
 # so the scale operand carries s · 2^118 and the epilogue multiplies by 2^8 (`_SCALE_BIAS`).
 # 2 prmt + 8 × (2 shifts, lop3, and) + 4 bf16x2 fma for 8 weights, against ~12 integer ops per
 # weight for the portable decode below.
-_DECODE_ASM = tl.constexpr("""
-{
-.reg .b32 t01, t23, x, y, z;
-mov.b32 z, 0x80008000;
-prmt.b32 t01, $4, $4, 0x1100;
-prmt.b32 t23, $4, $4, 0x3322;
-shl.b32 x, t01, 6;
-shl.b32 y, t01, 12;
-lop3.b32 x, x, y, 0x01C001C0, 0xE4;
-and.b32 x, x, 0x81C081C0;
-fma.rn.bf16x2 $0, x, $5, z;
-shl.b32 x, t23, 6;
-shl.b32 y, t23, 12;
-lop3.b32 x, x, y, 0x01C001C0, 0xE4;
-and.b32 x, x, 0x81C081C0;
-fma.rn.bf16x2 $1, x, $6, z;
-shl.b32 x, t01, 2;
-shl.b32 y, t01, 8;
-lop3.b32 x, x, y, 0x01C001C0, 0xE4;
-and.b32 x, x, 0x81C081C0;
-fma.rn.bf16x2 $2, x, $5, z;
-shl.b32 x, t23, 2;
-shl.b32 y, t23, 8;
-lop3.b32 x, x, y, 0x01C001C0, 0xE4;
-and.b32 x, x, 0x81C081C0;
-fma.rn.bf16x2 $3, x, $6, z;
-}
-""")
+def _decode_ptx() -> str:
+    """The PTX of `_DECODE_ASM`: one shift/lop3/and/fma group per output register."""
+    lines = ["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;",
+             "prmt.b32 t01, $4, $4, 0x1100;", "prmt.b32 t23, $4, $4, 0x3322;"]
+    # (output, byte pair, magnitude shift, sign shift, scale): low nibbles (bits 0-3 of each
+    # 16-bit half) need << 6 and << 12, high nibbles (bits 4-7) << 2 and << 8.
+    for out, src, mag, sign, scale in ((0, "t01", 6, 12, 5), (1, "t23", 6, 12, 6),
+                                       (2, "t01", 2, 8, 5), (3, "t23", 2, 8, 6)):
+        lines += [f"shl.b32 x, {src}, {mag};", f"shl.b32 y, {src}, {sign};",
+                  "lop3.b32 x, x, y, 0x01C001C0, 0xE4;", "and.b32 x, x, 0x81C081C0;",
+                  f"fma.rn.bf16x2 ${out}, x, ${scale}, z;"]
+    return "\n" + "\n".join(lines + ["}"]) + "\n"
+
+
+_DECODE_ASM = tl.constexpr(_decode_ptx())
 _SCALE_BIAS = 256.0  # the GPU decode's weights are E2M1 · s · 2^-8 (see _DECODE_ASM)
 _SCALE_BIAS_C = tl.constexpr(_SCALE_BIAS)
 _TWO_POW_118 = tl.constexpr(2.0 ** 118)
