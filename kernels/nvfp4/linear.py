@@ -14,10 +14,11 @@ and X is not saved for backward (only the packed weight is, by reference).
 
 The GEMMs go through `_backend(x)`, the one place that picks the implementation:
 
-* a bf16 CUDA tensor: Triton dequantize (`triton_kernels.dequantize`, ~800 GB/s on an H200)
-  into a transient bf16 Ŵ, then cuBLAS. This is the default because it was measured faster:
-  on an H200 the fused kernels of `kernels/nvfp4/gemm.py` (`QERL_NVFP4_GEMM=fused`), which never
-  materialize Ŵ, still run at 5-27 % of cuBLAS (kernels/nvfp4/NOTES.md);
+* a bf16 CUDA tensor: Triton dequantize (`triton_kernels.dequantize`, 0.09 ms for an
+  18944×3584 weight on an H200) into a transient bf16 Ŵ, then cuBLAS. This is the default
+  because it was measured faster: on an H200 the fused kernels of `kernels/nvfp4/gemm.py`
+  (`QERL_NVFP4_GEMM=fused`), which never materialize Ŵ, win only at M ≤ 16 and run at
+  23-33 % of cuBLAS from M = 256 on (kernels/nvfp4/NOTES.md);
 * otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
   byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
   decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
