@@ -37,34 +37,42 @@ def qwen2_config(shape: str) -> dict:
             "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645}
 
 
+def tensor_specs(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of a Qwen2 checkpoint of `shape`, in file order."""
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    head_dim = hidden // heads
+    specs = [("model.embed_tokens.weight", (vocab, hidden)), ("lm_head.weight", (vocab, hidden)),
+             ("model.norm.weight", (hidden,))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        specs += [(f"{p}.input_layernorm.weight", (hidden,)), (f"{p}.post_attention_layernorm.weight", (hidden,)),
+                  (f"{p}.self_attn.q_proj.weight", (heads * head_dim, hidden)), (f"{p}.self_attn.q_proj.bias", (heads * head_dim,)),
+                  (f"{p}.self_attn.k_proj.weight", (kv * head_dim, hidden)), (f"{p}.self_attn.k_proj.bias", (kv * head_dim,)),
+                  (f"{p}.self_attn.v_proj.weight", (kv * head_dim, hidden)), (f"{p}.self_attn.v_proj.bias", (kv * head_dim,)),
+                  (f"{p}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
+                  (f"{p}.mlp.gate_proj.weight", (inter, hidden)), (f"{p}.mlp.up_proj.weight", (inter, hidden)),
+                  (f"{p}.mlp.down_proj.weight", (hidden, inter))]
+    return specs
+
+
+def _random_bf16(seed: int = 0):
+    """rnd(*shape): N(0, 0.02²) bf16 on the GPU when there is one (seeded)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    return lambda *s: (torch.randn(*s, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+
+
 def make_checkpoint(path: Path, shape: str, shard_bytes: int = 4 << 30) -> None:
+    """A random bf16 HF checkpoint of `shape` at `path` (kept if it is already there)."""
     from safetensors.torch import save_file
 
     if (path / "config.json").exists():
         return
-    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
-    head_dim = hidden // heads
     path.mkdir(parents=True, exist_ok=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def rnd(*s):
-        return (torch.randn(*s, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
-
-    tensors = [("model.embed_tokens.weight", (vocab, hidden)), ("lm_head.weight", (vocab, hidden)),
-               ("model.norm.weight", (hidden,))]
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        tensors += [(f"{p}.input_layernorm.weight", (hidden,)), (f"{p}.post_attention_layernorm.weight", (hidden,)),
-                    (f"{p}.self_attn.q_proj.weight", (heads * head_dim, hidden)), (f"{p}.self_attn.q_proj.bias", (heads * head_dim,)),
-                    (f"{p}.self_attn.k_proj.weight", (kv * head_dim, hidden)), (f"{p}.self_attn.k_proj.bias", (kv * head_dim,)),
-                    (f"{p}.self_attn.v_proj.weight", (kv * head_dim, hidden)), (f"{p}.self_attn.v_proj.bias", (kv * head_dim,)),
-                    (f"{p}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
-                    (f"{p}.mlp.gate_proj.weight", (inter, hidden)), (f"{p}.mlp.up_proj.weight", (inter, hidden)),
-                    (f"{p}.mlp.down_proj.weight", (hidden, inter))]
+    rnd = _random_bf16()
     shards, cur, size = [], {}, 0
-    for name, s in tensors:
-        t = rnd(*s)
+    for name, s in tensor_specs(shape):
+        t = rnd(*s).cpu()
         if cur and size + t.numel() * 2 > shard_bytes:
             shards.append(cur)
             cur, size = {}, 0
@@ -78,6 +86,50 @@ def make_checkpoint(path: Path, shape: str, shard_bytes: int = 4 << 30) -> None:
         total += sum(t.numel() * 2 for t in shard.values())
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps(qwen2_config(shape), indent=1))
+
+
+def make_nvfp4_checkpoint(path: Path, shape: str, shard_bytes: int = 4 << 30) -> None:
+    """A random NVFP4 checkpoint of `shape` at `path`, made directly: each decoder layer's
+    weights are drawn and quantized on the device (q/k/v and gate/up sharing a global scale,
+    as the quantize stage does) and never written in bf16. A 32B model's bf16 checkpoint
+    (~65 GB) does not fit a 64 GB disk; its NVFP4 one (~21 GB) does. Kept if already there."""
+    import shutil
+
+    import kernels.nvfp4 as nvfp4
+    from components.quantize.__main__ import LAYER_WEIGHT, ShardWriter, fused_groups, quantization_config
+
+    if (path / "config.json").exists():
+        return
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    rnd = _random_bf16()
+    writer = ShardWriter(partial, shard_bytes)
+    specs = tensor_specs(shape)
+    layers: dict[str, list[str]] = {}
+    for name, s in specs:
+        m = LAYER_WEIGHT.match(name)
+        if m and len(s) == 2:
+            layers.setdefault(m["layer"], []).append(name)
+        else:
+            writer.add(name, rnd(*s))
+    dims = dict(specs)
+    for names in layers.values():
+        for group in fused_groups(names):
+            weights = {n: rnd(*dims[n]) for n in group}
+            g = nvfp4.global_scale(*weights.values())
+            for n, w in weights.items():
+                q = nvfp4.quantize(w, g)
+                base = n[: -len(".weight")]
+                writer.add(f"{base}.weight_packed", q.weight_packed)
+                writer.add(f"{base}.weight_scale", q.weight_scale)
+                writer.add(f"{base}.weight_global_scale", q.weight_global_scale)
+            del weights
+    writer.close()
+    config = qwen2_config(shape)
+    config["quantization_config"] = quantization_config(["lm_head"])
+    (partial / "config.json").write_text(json.dumps(config, indent=1))
+    partial.rename(path)
 
 
 def main() -> None:

@@ -2,10 +2,11 @@
 
     python benchmarks/train_step.py --shape qwen2.5-7b --seqs 8 --seq-len 2048 [--base both]
 
-Makes a random bf16 checkpoint of the shape (and its NVFP4 quantization through the quantize
-stage), synthetic rollout and reward shards (groups of 4 samples with distinct rewards), then
-runs `python -m components.train` once per base with gradient checkpointing on and prints
-the learner's update tokens/s, its wall time and peak memory (from the stage's metrics).
+Makes random checkpoints of the shape (the bf16 one only when the BF16 base is asked for; the
+NVFP4 one directly, layer by layer, so a 32B base fits a 64 GB disk), synthetic rollout and
+reward shards (groups of 4 samples with distinct rewards), then runs `python -m components.train`
+once per base with gradient checkpointing on and prints the learner's update tokens/s, its
+wall time and peak memory (from the stage's metrics).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.quantize_stage import SHAPES, make_checkpoint  # noqa: E402
+from benchmarks.quantize_stage import SHAPES, make_checkpoint, make_nvfp4_checkpoint  # noqa: E402
 
 
 def make_shards(root: Path, vocab: int, seqs: int, seq_len: int, prompt_len: int = 64) -> tuple[str, str]:
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (prompt 64 + completion)")
     ap.add_argument("--base", choices=["nvfp4", "bf16", "both"], default="both")
     ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--epochs", type=int, default=1, help="optimizer steps over the batch (the first pays one-time costs)")
+    ap.add_argument("--cudnn-attention", action="store_true", help="let SDPA use cuDNN attention (the stage's cudnn_attention)")
     ap.add_argument("--workdir", default="/tmp/qerl-bench")
     ap.add_argument("--json", help="save the figures here")
     ap.add_argument("--profile", metavar="DIR", help="also write DIR/<base>/update_profile.txt (torch.profiler)")
@@ -65,21 +68,25 @@ def main() -> None:
                     help="warn at every GPU->host sync in the update (QERL_SYNC_DEBUG=1; the stage log names each site)")
     args = ap.parse_args()
     work = Path(args.workdir)
-    bf16 = work / f"{args.shape}-bf16"
-    gen = mp.get_context("spawn").Process(target=make_checkpoint, args=(bf16, args.shape))
-    gen.start()
-    gen.join()
-    nvfp4 = work / f"{args.shape}-nvfp4"
-    if args.base in ("nvfp4", "both") and not (nvfp4 / "MANIFEST.json").exists():
-        subprocess.run([sys.executable, "-m", "components.quantize", "--input", str(bf16), "--output", str(nvfp4)],
-                       check=True)
+    bf16, nvfp4 = work / f"{args.shape}-bf16", work / f"{args.shape}-nvfp4-random"
+    bases = ["nvfp4", "bf16"] if args.base == "both" else [args.base]
+    for base, path, make in (("bf16", bf16, make_checkpoint), ("nvfp4", nvfp4, make_nvfp4_checkpoint)):
+        if base in bases:  # in a child process, which frees the generator's memory when it exits
+            t0 = time.time()
+            gen = mp.get_context("spawn").Process(target=make, args=(path, args.shape))
+            gen.start()
+            gen.join()
+            if gen.exitcode:
+                sys.exit(f"making the random {base} checkpoint failed ({gen.exitcode})")
+            print(f"random {base} checkpoint of {args.shape} at {path} ({time.time() - t0:.0f}s)", flush=True)
     vocab = SHAPES[args.shape][5]
     rollouts, rewards = make_shards(work, vocab, args.seqs, args.seq_len)
     rows = []
-    for base in (["nvfp4", "bf16"] if args.base == "both" else [args.base]):
+    for base in bases:
         out = work / f"adapter-{base}-{int(time.time())}"
         cfg = json.dumps({"lora_rank": args.lora_rank, "lora_alpha": 2 * args.lora_rank, "gradient_checkpointing": True,
-                          "micro_batch_tokens": 2 * args.seq_len, "tis_cap": 2.0})
+                          "micro_batch_tokens": 2 * args.seq_len, "tis_cap": 2.0, "epochs": args.epochs,
+                          "cudnn_attention": args.cudnn_attention})
         t0 = time.time()
         subprocess.run([sys.executable, "-m", "components.train", "--model", str(nvfp4 if base == "nvfp4" else bf16),
                         "--rollouts", rollouts, "--rewards", rewards, "--output", str(out), "--config-text", cfg],
@@ -89,6 +96,7 @@ def main() -> None:
         m = json.loads((out / "metrics.json").read_text())
         rows.append({"shape": args.shape, "base": base, "tokens": args.seqs * args.seq_len,
                      "update_tok_s": round(m["tokens_per_s"], 1), "update_s": round(m["seconds_update"], 2),
+                     "epoch_s": [round(e["seconds"], 2) for e in m["epochs"]], "cudnn_attention": args.cudnn_attention,
                      "logp_old_s": round(m["seconds_logp_old"], 2), "stage_wall_s": round(time.time() - t0, 1),
                      "peak_mem_gb": round(m["peak_memory_mb"] / 1024, 2)})  # GPU on CUDA, host RSS on CPU
         print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
