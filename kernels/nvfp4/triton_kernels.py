@@ -10,7 +10,9 @@ round-to-nearest on both a GPU and the CPU interpreter (TRITON_INTERPRET=1):
   are not round-to-nearest-even (fp32 → fp16 `.to()` is correct on both: numpy astype);
 * the e4m3 scale is written as its bit pattern into a uint8 view of the fp8 tensor.
 
-One program handles BLOCK_M rows × BLOCK_G blocks of 16 inputs.
+Quantize (and dequantize to fp32/fp16): one program handles BLOCK_M rows × BLOCK_G blocks of
+16 inputs. Dequantize to bf16, the learner's hot path, runs over the flat packed bytes instead
+(contiguous loads and stores; see `_nvfp4_dequantize_bf16_kernel`).
 """
 from __future__ import annotations
 
@@ -150,26 +152,35 @@ def _nvfp4_dequantize_kernel(
     s_code = tl.load(scale_ptr + rows64[:, None] * G + grps[None, :], mask=mask2, other=0)
     g = tl.load(g_ptr)
     s_eff = tl.div_rn(_e4m3_decode(s_code.to(tl.int32)), g)
-    if KIND == 1:
-        # bf16: each packed byte becomes one 32-bit word, low nibble's bf16 in the low half
-        # (little endian: element 2i first), so no nibble interleave and 4-byte stores.
-        lo = _round_bf16(_e2m1_decode(byte & 15) * s_eff[:, :, None]).to(tl.int32, bitcast=True)
-        hi = _round_bf16(_e2m1_decode(byte >> 4) * s_eff[:, :, None]).to(tl.int32, bitcast=True)
-        word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
-        tl.store(out_ptr + rows64[:, None, None] * (K // 2) + pcols, word, mask=mask3)
+    code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_M, BLOCK_G, 16))
+    w = _e2m1_decode(code) * s_eff[:, :, None]
+    cols = grps[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    offs = rows64[:, None, None] * K + cols
+    if KIND == 2:
+        tl.store(out_ptr + offs, w.to(tl.float16), mask=mask3)
     else:
-        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_M, BLOCK_G, 16))
-        w = _e2m1_decode(code) * s_eff[:, :, None]
-        cols = grps[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-        offs = rows64[:, None, None] * K + cols
-        if KIND == 2:
-            tl.store(out_ptr + offs, w.to(tl.float16), mask=mask3)
-        else:
-            tl.store(out_ptr + offs, w, mask=mask3)
+        tl.store(out_ptr + offs, w, mask=mask3)
+
+
+@triton.jit
+def _nvfp4_dequantize_bf16_kernel(packed_ptr, scale_ptr, g_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
+    """bf16 Ŵ over the flat packed bytes: byte i holds inputs 2i, 2i+1 and its block scale is
+    scale[i // 8] (a row of K/2 bytes is K/16 whole blocks), so every load and store is
+    contiguous. Each byte becomes one 32-bit word, the low nibble's bf16 in the low half."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_bytes
+    byte = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
+    s_code = tl.load(scale_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
+    s_eff = tl.div_rn(_e4m3_decode(s_code), tl.load(g_ptr))
+    lo = _round_bf16(_e2m1_decode(byte & 15) * s_eff).to(tl.int32, bitcast=True)
+    hi = _round_bf16(_e2m1_decode(byte >> 4) * s_eff).to(tl.int32, bitcast=True)
+    tl.store(out_ptr + offs, ((lo >> 16) & 0xFFFF) | (hi & -65536), mask=mask)
 
 
 _BLOCK_M = 16
 _BLOCK_G = 16  # 256 inputs per program row
+_BF16_BLOCK = 8192  # packed bytes per program of the bf16 dequantize (swept on an H200: NOTES.md)
+_BF16_WARPS = 8
 
 
 def _grid(m: int, k: int):
@@ -237,9 +248,12 @@ def dequantize(
     packed = weight_packed.contiguous()
     scale = weight_scale.to(dev).contiguous().view(torch.uint8)
     out = torch.empty((m, k), dtype=dtype, device=dev)
-    if m and k:
+    if m and k and dtype == torch.bfloat16:
+        n = packed.numel()
+        _nvfp4_dequantize_bf16_kernel[(triton.cdiv(n, _BF16_BLOCK),)](
+            packed, scale, g, out.view(torch.int32), n, BLOCK=_BF16_BLOCK, num_warps=_BF16_WARPS)
+    elif m and k:
         _nvfp4_dequantize_kernel[_grid(m, k)](
-            packed, scale, g, out.view(torch.int32) if dtype == torch.bfloat16 else out, m, k,
-            KIND=_DTYPE_KIND[dtype], BLOCK_M=_BLOCK_M, BLOCK_G=_BLOCK_G,
+            packed, scale, g, out, m, k, KIND=_DTYPE_KIND[dtype], BLOCK_M=_BLOCK_M, BLOCK_G=_BLOCK_G,
         )
     return out
