@@ -137,9 +137,39 @@ def test_gradient_checkpointing_gives_the_same_lora_gradients(smollm2_nvfp4):
     plain = grads()
     m.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ckpt = grads()
+    nvfp4 = [mod for mod in m.modules() if isinstance(mod, NVFP4Linear)]
+    for mod in nvfp4:  # what build_policy does with checkpointing on
+        mod.keep_dequantized = True
+    kept = grads()
+    assert len(nvfp4) == 30 * 7
     assert len(plain) == 30 * 7 * 2 and all(float(g.abs().max()) > 0 for k, g in plain.items() if "lora_A" in k)
     for k in plain:
         torch.testing.assert_close(ckpt[k], plain[k], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(kept[k], ckpt[k], atol=0, rtol=0)
+
+
+def test_keep_dequantized_saves_the_weight_only_when_asked():
+    q = _quantized()
+    layer = NVFP4Linear.from_checkpoint_tensors(*q, bias=torch.randn(48), dtype=torch.float32)
+    x = torch.randn(3, 64, requires_grad=True)
+    assert layer(x).grad_fn.saved_tensors[3] is None
+    layer.keep_dequantized = True
+    y = layer(x)
+    torch.testing.assert_close(y.grad_fn.saved_tensors[3], R.dequantize(*q, torch.float32), atol=0, rtol=0)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 48) @ R.dequantize(*q, torch.float32))
+
+
+def test_build_policy_keeps_dequantized_weights_only_under_checkpointing(smollm2_nvfp4):
+    from components.train import trainer as T
+    from components.train.__main__ import TrainConfig
+
+    for ckpt in (False, True):
+        cfg = TrainConfig(model="m", rollouts=["r"], rewards="w", output="o", lora_rank=4, lora_alpha=8,
+                          gradient_checkpointing=ckpt)
+        policy = T.build_policy(smollm2_nvfp4, cfg, torch.device("cpu"))
+        flags = {mod.keep_dequantized for mod in policy.modules() if isinstance(mod, NVFP4Linear)}
+        assert flags == {ckpt}
 
 
 # ----------------------------------------------------------------------------- data

@@ -13,6 +13,7 @@ run (adapter + trainer_state.pt) reproduces.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -33,6 +34,7 @@ from components.common.schemas import SchemaError
 from components.reward.validate import check_rewards
 from components.train import objective as O
 from components.train.model import attach_lora, load_base, logprobs, reference_logprobs
+from kernels.nvfp4.linear import NVFP4Linear
 
 log = logging.getLogger("qerl.train")
 
@@ -149,6 +151,11 @@ def build_policy(ckpt_dir, cfg, device: torch.device, base_name: str | None = No
     if cfg.gradient_checkpointing:
         policy.base_model.model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Every NVFP4 Linear sits in a checkpointed decoder layer: its recomputation's Ŵ can
+        # serve the backward (NVFP4Linear.keep_dequantized), one dequantize fewer per call.
+        for mod in policy.modules():
+            if isinstance(mod, NVFP4Linear):
+                mod.keep_dequantized = True
     return policy
 
 
@@ -157,8 +164,9 @@ def trainable(policy) -> list[torch.nn.Parameter]:
 
 
 def make_optimizer(policy, cfg):
-    opt = torch.optim.AdamW(trainable(policy), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    params = trainable(policy)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay, fused=bool(params) and params[0].is_cuda)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
         O.lr_lambda, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps, min_ratio=cfg.min_lr_ratio))
     return opt, sched
@@ -248,8 +256,31 @@ def _write_profile(prof) -> None:
     log.info("update profile written to %s", out / "update_profile.txt")
 
 
+@contextlib.contextmanager
+def attention_kernels(cudnn: bool):
+    """cudnn=False: PyTorch's SDPA may not pick cuDNN attention inside the block (process-wide
+    flag, restored on exit; a context manager such as `sdpa_kernel` would not reach the
+    recomputation that gradient checkpointing runs during backward)."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(before and cudnn)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device) -> dict:
     """Advantages, logp_old (+ ref), then `epochs` optimizer steps over the batch. Metrics."""
+    with attention_kernels(cfg.cudnn_attention):
+        return _train_iteration(policy, opt, sched, batch, cfg, device)
+
+
+def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device) -> dict:
     obj = cfg.objective()
     t0 = time.time()
     adv, keep, gstats = O.group_advantages(batch.rewards, batch.prompt_ids, obj)
@@ -305,6 +336,7 @@ def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device)
     epochs, tokens_seen, t_upd = [], 0, time.time()
     profiler = _update_profiler(device)
     for epoch in range(obj.epochs):
+        t_epoch = time.time()
         opt.zero_grad(set_to_none=True)
         acc: dict[str, float] = {}
         loss_sum, n_tok = 0.0, 0.0
@@ -331,8 +363,9 @@ def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
+        _sync(device)
         e = {k: v / max(n_tok, 1.0) for k, v in acc.items()}
-        e.update(loss=loss_sum, grad_norm=float(grad_norm), lr=lr, loss_tokens=n_tok)
+        e.update(loss=loss_sum, grad_norm=float(grad_norm), lr=lr, loss_tokens=n_tok, seconds=time.time() - t_epoch)
         epochs.append(e)
         log.info("epoch %d/%d: loss %.5f, grad norm %.4f, lr %.3g, clip %.3f, approx KL %.2e",
                  epoch + 1, obj.epochs, e["loss"], e["grad_norm"], lr, e["clip_fraction"], e["approx_kl"])

@@ -9,12 +9,13 @@ checkpoint stores it, as buffers (never parameters: the base is frozen):
     bias                 (optional)     [out]         frozen, in the compute dtype
 
 i.e. 0.5 + 1/16 = 0.5625 bytes per weight. `forward` runs through `W4A16Function`:
-Y = X·Ŵᵀ (+ bias), and its backward computes only dX = dY·Ŵ; there is no weight gradient
-and X is not saved for backward (only the packed weight is, by reference).
+Y = X·Ŵᵀ (+ bias, fused into the GEMM), and its backward computes only dX = dY·Ŵ; there is
+no weight gradient and X is not saved for backward (only the packed weight is, by reference,
+and Ŵ itself when `keep_dequantized` is set: see there).
 
 The GEMMs go through `_backend(x)`, the one place that picks the implementation:
 
-* a bf16 CUDA tensor: Triton dequantize (`triton_kernels.dequantize`, 0.09 ms for an
+* a bf16 CUDA tensor: Triton dequantize (`triton_kernels.dequantize`, 0.069 ms for an
   18944×3584 weight on an H200) into a transient bf16 Ŵ, then cuBLAS. This is the default
   because it was measured faster: on an H200 the fused kernels of `kernels/nvfp4/gemm.py`
   (`QERL_NVFP4_GEMM=fused`), which never materialize Ŵ, win only at M ≤ 16 and run at
@@ -87,14 +88,7 @@ class _Reference:
     Ŵ exists only for the duration of one call."""
 
     name = "reference"
-
-    @staticmethod
-    def linear_w4a16(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
-        return x @ dequantize(packed, scale, gscale, x.dtype).t()
-
-    @staticmethod
-    def grad_input_w4a16(dy: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
-        return dy @ dequantize(packed, scale, gscale, dy.dtype)
+    dequantize = staticmethod(dequantize)
 
 
 class _DequantCuBLAS:
@@ -103,14 +97,9 @@ class _DequantCuBLAS:
     name = "dequant+cublas"
 
     @staticmethod
-    def linear_w4a16(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+    def dequantize(packed: Tensor, scale: Tensor, gscale: Tensor, dtype: torch.dtype) -> Tensor:
         from . import triton_kernels
-        return x @ triton_kernels.dequantize(packed, scale, gscale, x.dtype).t()
-
-    @staticmethod
-    def grad_input_w4a16(dy: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
-        from . import triton_kernels
-        return dy @ triton_kernels.dequantize(packed, scale, gscale, dy.dtype)
+        return triton_kernels.dequantize(packed, scale, gscale, dtype)
 
 
 def _backend(x: Tensor):
@@ -134,35 +123,59 @@ def backend_name(x: Tensor) -> str:
     return getattr(b, "name", "fused-triton")
 
 
-def linear_w4a16(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
-    """x [..., in] @ Ŵᵀ -> [..., out] (no autograd; see `W4A16Function`)."""
-    lead = x.shape[:-1]
-    y = _backend(x).linear_w4a16(x.reshape(-1, x.shape[-1]), packed, scale, gscale)
-    return y.reshape(*lead, y.shape[-1])
+def _linear(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None,
+            keep: bool) -> tuple[Tensor, Tensor | None]:
+    """(x @ Ŵᵀ + bias, Ŵ when `keep` and the backend materializes it, else None)."""
+    lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    backend, w = _backend(x), None
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    if hasattr(backend, "dequantize"):
+        w = backend.dequantize(packed, scale, gscale, x.dtype)
+        y = x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+    else:
+        y = backend.linear_w4a16(x2, packed, scale, gscale, bias)
+    return y.reshape(*lead, y.shape[-1]), (w if keep else None)
 
 
-def grad_input_w4a16(dy: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
-    """dy [..., out] @ Ŵ -> [..., in]."""
-    lead = dy.shape[:-1]
-    dx = _backend(dy).grad_input_w4a16(dy.reshape(-1, dy.shape[-1]), packed, scale, gscale)
+def linear_w4a16(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., in] @ Ŵᵀ (+ bias) -> [..., out] (no autograd; see `W4A16Function`)."""
+    return _linear(x, packed, scale, gscale, bias, keep=False)[0]
+
+
+def grad_input_w4a16(dy: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, w: Tensor | None = None) -> Tensor:
+    """dy [..., out] @ Ŵ -> [..., in]; `w`: Ŵ already dequantized (else it is made here)."""
+    lead, dy2 = dy.shape[:-1], dy.reshape(-1, dy.shape[-1])
+    if w is None:
+        backend = _backend(dy)
+        if not hasattr(backend, "dequantize"):
+            dx = backend.grad_input_w4a16(dy2, packed, scale, gscale)
+            return dx.reshape(*lead, dx.shape[-1])
+        w = backend.dequantize(packed, scale, gscale, dy.dtype)
+    dx = dy2 @ w
     return dx.reshape(*lead, dx.shape[-1])
 
 
 class W4A16Function(torch.autograd.Function):
-    """Y = X·Ŵᵀ with a frozen NVFP4 Ŵ: backward returns dX = dY·Ŵ only."""
+    """Y = X·Ŵᵀ (+ bias) with a frozen NVFP4 Ŵ: backward returns dX = dY·Ŵ only.
+
+    keep_weight=True saves the dequantized Ŵ for backward instead of dequantizing it again
+    there (see `NVFP4Linear.keep_dequantized` for when that is cheap)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
-        ctx.save_for_backward(packed, scale, gscale)
-        return linear_w4a16(x, packed, scale, gscale)
+    def forward(ctx, x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None,
+                keep_weight: bool) -> Tensor:
+        y, w = _linear(x, packed, scale, gscale, bias, keep_weight)
+        ctx.save_for_backward(packed, scale, gscale, w)
+        return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        packed, scale, gscale = ctx.saved_tensors
+        packed, scale, gscale, w = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = grad_input_w4a16(dy.contiguous(), packed, scale, gscale)
-        return dx, None, None, None
+            dx = grad_input_w4a16(dy.contiguous(), packed, scale, gscale, w)
+        return dx, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- the module
@@ -177,6 +190,12 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"NVFP4Linear needs in_features divisible by {BLOCK}, got {in_features}")
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.act_dtype = dtype  # not `compute_dtype`: PEFT would cast adapters to it
+        # Keep the forward's dequantized Ŵ for backward (one dequantize fewer per call). Only
+        # for layers inside a gradient-checkpointed block (build_policy sets it): there the
+        # first forward keeps no saved tensors and the recomputation keeps them only until
+        # that block's backward, so this holds one decoder layer's bf16 weights at a time.
+        # Without checkpointing it would hold the whole model in bf16.
+        self.keep_dequantized = False
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
                                                           device=device))
         self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK,
@@ -222,10 +241,8 @@ class NVFP4Linear(nn.Module):
                           dtype or self.act_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = W4A16Function.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        return W4A16Function.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
+                                   self.bias, self.keep_dequantized)
 
     def nbytes(self) -> int:
         """Bytes held by the frozen weight (packed codes + scales + global scale + bias)."""
