@@ -192,6 +192,9 @@ def test_local_run_two_iterations(local_run):
     assert {r["adapter_digest"] for r in it0} == {""}
     assert {r["adapter_digest"] for r in it1} == {a0.digest}  # … and iteration 1 served iteration 0's
     assert {r["iteration"] for r in it1} == {1}
+    # iteration 0 samples from the base: its engine runs without LoRA; iteration 1's has one slot
+    assert Artifact(L.rollouts(0)).read_json("metrics.json")["lora_slot_rank"] == 0
+    assert Artifact(L.rollouts(1)).read_json("metrics.json")["lora_slot_rank"] >= 1
     assert Artifact(L.adapter(0)).read_json("metrics.json")["updated"] is True
     report = Path(L.report())
     table = (report / "metrics.md").read_text()

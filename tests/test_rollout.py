@@ -15,6 +15,7 @@ from components.common.schemas import read_artifact_table
 from components.common.storage import Artifact, Staging
 from components.rollout.__main__ import RolloutConfig, select_prompts
 from components.rollout.aqn import sigma_schedule
+from components.rollout.engine import lora_slot_rank
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
@@ -221,6 +222,9 @@ def test_stage_cli_end_to_end(smollm2_nvfp4, prompts, adapters, tmp_path):
     assert metrics["linear_kernels"] == ["QeRLDequantNvFp4LinearKernel"]
     assert metrics["nvfp4_backend"] == "dequant" and metrics["concurrency"] == 4
     assert "NVFP4 backend dequant" in p.stderr
+    rank = json.loads((Artifact(str(adapters[0])).local_dir() / "adapter_config.json").read_text())["r"]
+    assert metrics["lora_rank"] == rank and metrics["lora_slot_rank"] == lora_slot_rank(rank) <= 16
+    assert f"LoRA: one slot of rank {lora_slot_rank(rank)} for the adapter's r={rank}" in p.stderr
 
 
 @pytest.mark.parametrize("case, msg", [

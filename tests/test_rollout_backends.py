@@ -90,3 +90,12 @@ def test_rollout_config_rejects_an_unknown_backend():
 
     with pytest.raises(ConfigError, match="--nvfp4-backend must be one of"):
         RolloutConfig(model="/m", prompts="/p", output="/o", nvfp4_backend="fp8")
+
+
+def test_lora_slot_is_the_smallest_vllm_rank_that_holds_the_adapter():
+    from components.rollout.engine import VLLM_LORA_RANKS, lora_slot_rank
+
+    assert [lora_slot_rank(r) for r in (1, 2, 8, 9, 16, 32, 33, 64, 300, 512)] == [1, 8, 8, 16, 16, 32, 64, 64, 320, 512]
+    assert all(lora_slot_rank(r) == r for r in VLLM_LORA_RANKS)
+    with pytest.raises(ConfigError, match="exceeds vLLM's largest LoRA rank 512"):
+        lora_slot_rank(513)

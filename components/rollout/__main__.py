@@ -48,7 +48,9 @@ class RolloutConfig:
     aqn_seed: int = field(-1, help="seed of the AQN noise (-1: derived from --seed and --iteration)")
     shard: int = field(0, help="this task's shard index, 0..num_shards-1")
     num_shards: int = field(1, help="number of parallel rollout tasks")
-    max_lora_rank: int = field(64, help="largest adapter rank the engine accepts")
+    max_lora_rank: int = field(64, help="largest adapter rank accepted. The engine's LoRA slot is sized to the "
+                               "adapter's own rank (rounded up to vLLM's 8, 16, 32, 64, ...); without --adapter the "
+                               "engine runs without LoRA")
     max_model_len: int = field(2048, help="engine context length (prompt + completion)")
     kv_cache_gb: float = field(1.0, help="CPU KV-cache size in GiB")
     gpu_memory_utilization: float = field(0.85, help="GPU memory fraction vLLM may take")
@@ -110,7 +112,7 @@ def pick_backend(cfg: RolloutConfig, concurrency: int, tokens: int) -> tuple[str
 def main(cfg: RolloutConfig) -> None:
     from vllm import SamplingParams
 
-    from components.rollout.engine import EngineConfig, RolloutEngine
+    from components.rollout.engine import EngineConfig, RolloutEngine, check_adapter, lora_slot_rank
 
     prompts = read_artifact_table(cfg.prompts, "prompts", [f"{cfg.split}.arrow"]).to_pylist()
     chosen = select_prompts(prompts, cfg)
@@ -126,16 +128,22 @@ def main(cfg: RolloutConfig) -> None:
     if cfg.adapter:
         adapter = Artifact(cfg.adapter)
         adapter_dir = adapter.local_dir()
-        from components.rollout.engine import check_adapter
         lora_cfg = check_adapter(adapter_dir, json.loads((model_dir / "config.json").read_text()), cfg.max_lora_rank)
     backend, why = pick_backend(cfg, concurrency=min(cfg.max_num_seqs, len(chosen) * cfg.samples),
                                 tokens=len(chosen) * cfg.samples * cfg.max_tokens)
     log.info("NVFP4 backend %s", why if why.startswith(backend) else f"{backend} ({why})")
-    engine = RolloutEngine(model_dir, EngineConfig(max_lora_rank=cfg.max_lora_rank, max_model_len=cfg.max_model_len,
+    # This run serves one adapter (or none: the iteration-0 policy is the base): size the LoRA
+    # slot to it, and leave LoRA out entirely without one (vLLM's LoRA path costs ~1.7 ms per
+    # decode step at 7B on an H200, measured with benchmarks/rollout.py --lora-rank 0).
+    slot = lora_slot_rank(int(lora_cfg["r"])) if lora_cfg else 0
+    log.info("LoRA: %s", f"one slot of rank {slot} for the adapter's r={lora_cfg['r']}" if lora_cfg
+             else "off (no --adapter)")
+    engine = RolloutEngine(model_dir, EngineConfig(max_lora_rank=slot or cfg.max_lora_rank, max_loras=1,
+                                                   max_model_len=cfg.max_model_len,
                                                    kv_cache_gb=cfg.kv_cache_gb, seed=cfg.seed,
                                                    gpu_memory_utilization=cfg.gpu_memory_utilization,
                                                    max_num_seqs=cfg.max_num_seqs, nvfp4_backend=backend),
-                           enable_lora=True)
+                           enable_lora=lora_cfg is not None)
     kernels = engine.linear_kernels()
     log.info("NVFP4 linear kernel(s): %s", ", ".join(kernels) or "none (an unquantized model)")
     lora = engine.lora_request(adapter_dir, adapter.digest) if adapter else None
@@ -170,7 +178,7 @@ def main(cfg: RolloutConfig) -> None:
                "truncation_rate": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
                "aqn_sigma": cfg.aqn_sigma, "aqn_seed": aqn_seed, "aqn_modules": norms,
                "adapter": cfg.adapter, "adapter_digest": adapter.digest if adapter else "",
-               "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "device": "cpu" if engine.cpu else "cuda",
+               "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "lora_slot_rank": slot, "device": "cpu" if engine.cpu else "cuda",
                "linear_kernels": kernels, "nvfp4_backend": backend, "nvfp4_backend_reason": why,
                "concurrency": min(cfg.max_num_seqs, len(rows))}
     with Staging() as st:

@@ -27,10 +27,25 @@ log = logging.getLogger("qerl.rollout")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+# The max_lora_rank values vLLM 0.26 accepts (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_slot_rank(rank: int) -> int:
+    """The smallest LoRA slot vLLM offers for an adapter of `rank`. vLLM pads every adapter to
+    the slot's rank and its kernels run at that rank, so a slot larger than the adapter costs
+    time and memory for nothing."""
+    for slot in VLLM_LORA_RANKS:
+        if slot >= rank:
+            return slot
+    raise ConfigError(f"adapter rank {rank} exceeds vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+
+
 @dataclass
 class EngineConfig:
     """What the engine needs besides the model: sizes of the LoRA slots and of the context."""
     max_lora_rank: int = 64
+    max_loras: int = 1                 # adapters resident on the device; a new version evicts the last
     max_model_len: int = 2048
     kv_cache_gb: float = 1.0          # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.85
@@ -115,7 +130,7 @@ class RolloutEngine:
                   enforce_eager=self.cpu if cfg.enforce_eager is None else cfg.enforce_eager,
                   enable_prefix_caching=True)
         if enable_lora:
-            kw.update(max_lora_rank=cfg.max_lora_rank, max_loras=2)
+            kw.update(max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras)
         if not self.cpu:
             kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, **extra)
         t0 = time.time()
