@@ -100,7 +100,8 @@ def worker(args) -> dict:
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512} & set(range(1, max(conc) + 1)) | set(conc))
     t0 = time.time()
     llm = LLM(model=str(mdir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              enable_lora=use_lora, max_lora_rank=args.lora_rank if use_lora else 16, max_loras=1,
+              enable_lora=use_lora, max_lora_rank=(args.lora_slot_rank or args.lora_rank) if use_lora else 16,
+              max_loras=1,
               max_num_seqs=max(conc),
               max_model_len=args.prompt_len + args.max_tokens + 16, enable_prefix_caching=False,
               gpu_memory_utilization=args.gpu_memory_utilization,
@@ -127,6 +128,7 @@ def worker(args) -> dict:
         return sum(len(o.outputs[0].token_ids) for o in outs), time.time() - t
 
     result = {"backend": backend, "shape": args.shape, "lora_rank": args.lora_rank,
+              "lora_slot_rank": (args.lora_slot_rank or args.lora_rank) if use_lora else 0,
               "engine_start_s": round(start_s, 1), "linear_kernels": kernels,
               "weight_gib": round(weight_bytes / 2**30, 2), "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
               "tokens_per_second": {}, "seconds": {}}
@@ -149,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma list of " + ", ".join(BACKENDS))
     ap.add_argument("--concurrency", default="1,16,64,256", help="comma list of sequences in flight")
     ap.add_argument("--lora-rank", type=int, default=32, help="0: no LoRA (to see what the adapter costs)")
+    ap.add_argument("--lora-slot-rank", type=int, default=0,
+                    help="the engine's max_lora_rank (default: --lora-rank, what the rollout stage uses)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
