@@ -135,3 +135,33 @@ def test_bad_input_publishes_nothing(tmp_path, case, msg):
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "out" / "MANIFEST.json").exists()
+
+
+def test_benchmark_random_nvfp4_checkpoint_is_what_the_quantize_stage_writes(tmp_path):
+    """benchmarks/quantize_stage.make_nvfp4_checkpoint (the 32B learner benchmark's base) has the
+    quantize stage's layout: same config block, same tensor names, loadable by the learner."""
+    from benchmarks.quantize_stage import make_checkpoint, make_nvfp4_checkpoint
+    from components.train.model import load_base
+    from kernels.nvfp4.linear import NVFP4Linear
+
+    direct = tmp_path / "direct"
+    make_nvfp4_checkpoint(direct, "tiny")
+    assert not (tmp_path / "direct.partial").exists()
+    make_checkpoint(tmp_path / "bf16", "tiny")
+    run_cli("components.quantize", "--input", str(tmp_path / "bf16"), "--output", str(tmp_path / "staged"))
+    staged = Artifact(str(tmp_path / "staged")).local_dir()
+
+    def names(ckpt):
+        out = {}
+        for shard in ckpt.glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                out.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+        return out
+
+    assert names(direct) == names(staged)
+    config = [json.loads((p / "config.json").read_text()) for p in (direct, staged)]
+    assert config[0]["quantization_config"] == config[1]["quantization_config"]
+    model = load_base(direct)
+    assert sum(isinstance(m, NVFP4Linear) for m in model.modules()) == 2 * 7
+    out = model(torch.randint(0, 1024, (1, 8))).logits
+    assert torch.isfinite(out).all()
