@@ -132,6 +132,20 @@ def make_nvfp4_checkpoint(path: Path, shape: str, shard_bytes: int = 4 << 30) ->
     partial.rename(path)
 
 
+def make_in_child(make, path: Path, shape: str) -> float:
+    """Run `make(path, shape)` in a spawned process, so the generator's host and GPU memory
+    (and its peak RSS) stay there; exit on failure; return the seconds it took."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    gen = mp.get_context("spawn").Process(target=make, args=(path, shape))
+    gen.start()
+    gen.join()
+    if gen.exitcode:
+        sys.exit(f"making the random checkpoint {path} failed (exit code {gen.exitcode})")
+    return time.time() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
@@ -141,16 +155,10 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.workdir)
     src, dst = work / f"{args.shape}-bf16", work / f"{args.shape}-nvfp4-{args.device}-{int(time.time())}"
-    t0 = time.time()
     # In a child process: the stage is forked from this one, and Linux carries a parent's
     # peak RSS into the child's ru_maxrss, so this process must never hold the weights.
-    import multiprocessing as mp
-    gen = mp.get_context("spawn").Process(target=make_checkpoint, args=(src, args.shape))
-    gen.start()
-    gen.join()
-    if gen.exitcode:
-        sys.exit(f"making the random checkpoint failed ({gen.exitcode})")
-    print(f"random {args.shape} checkpoint ready in {time.time() - t0:.1f}s at {src}", flush=True)
+    seconds = make_in_child(make_checkpoint, src, args.shape)
+    print(f"random {args.shape} checkpoint ready in {seconds:.1f}s at {src}", flush=True)
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "components.quantize", "--input", str(src), "--output", str(dst),
                            "--device", args.device], env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.quantize_stage import SHAPES, make_checkpoint, make_nvfp4_checkpoint  # noqa: E402
+from benchmarks.quantize_stage import SHAPES, make_checkpoint, make_in_child, make_nvfp4_checkpoint  # noqa: E402
 
 
 def make_shards(root: Path, vocab: int, seqs: int, seq_len: int, prompt_len: int = 64) -> tuple[str, str]:
@@ -71,14 +70,9 @@ def main() -> None:
     bf16, nvfp4 = work / f"{args.shape}-bf16", work / f"{args.shape}-nvfp4-random"
     bases = ["nvfp4", "bf16"] if args.base == "both" else [args.base]
     for base, path, make in (("bf16", bf16, make_checkpoint), ("nvfp4", nvfp4, make_nvfp4_checkpoint)):
-        if base in bases:  # in a child process, which frees the generator's memory when it exits
-            t0 = time.time()
-            gen = mp.get_context("spawn").Process(target=make, args=(path, args.shape))
-            gen.start()
-            gen.join()
-            if gen.exitcode:
-                sys.exit(f"making the random {base} checkpoint failed ({gen.exitcode})")
-            print(f"random {base} checkpoint of {args.shape} at {path} ({time.time() - t0:.0f}s)", flush=True)
+        if base in bases:
+            seconds = make_in_child(make, path, args.shape)
+            print(f"random {base} checkpoint of {args.shape} at {path} ({seconds:.0f}s)", flush=True)
     vocab = SHAPES[args.shape][5]
     rollouts, rewards = make_shards(work, vocab, args.seqs, args.seq_len)
     rows = []
