@@ -95,8 +95,8 @@ def make_nvfp4_checkpoint(path: Path, shape: str, shard_bytes: int = 4 << 30) ->
     (~65 GB) does not fit a 64 GB disk; its NVFP4 one (~21 GB) does. Kept if already there."""
     import shutil
 
-    import kernels.nvfp4 as nvfp4
-    from components.quantize.__main__ import LAYER_WEIGHT, ShardWriter, fused_groups, quantization_config
+    from components.quantize.__main__ import (LAYER_WEIGHT, ShardWriter, fused_groups, quantization_config,
+                                              write_quantized_group)
 
     if (path / "config.json").exists():
         return
@@ -116,15 +116,7 @@ def make_nvfp4_checkpoint(path: Path, shape: str, shard_bytes: int = 4 << 30) ->
     dims = dict(specs)
     for names in layers.values():
         for group in fused_groups(names):
-            weights = {n: rnd(*dims[n]) for n in group}
-            g = nvfp4.global_scale(*weights.values())
-            for n, w in weights.items():
-                q = nvfp4.quantize(w, g)
-                base = n[: -len(".weight")]
-                writer.add(f"{base}.weight_packed", q.weight_packed)
-                writer.add(f"{base}.weight_scale", q.weight_scale)
-                writer.add(f"{base}.weight_global_scale", q.weight_global_scale)
-            del weights
+            write_quantized_group(writer, {n: rnd(*dims[n]) for n in group})
     writer.close()
     config = qwen2_config(shape)
     config["quantization_config"] = quantization_config(["lm_head"])

@@ -149,6 +149,24 @@ class ShardWriter:
         return total
 
 
+def write_quantized_group(writer: ShardWriter, weights: dict) -> list:
+    """Quantize one fused group `{name.weight: tensor}` under a shared global scale and add
+    each `name.weight_packed / weight_scale / weight_global_scale` to `writer`; returns
+    (name, weight, NVFP4Tensor) per member."""
+    import kernels.nvfp4 as nvfp4
+
+    g = nvfp4.global_scale(*weights.values())
+    out = []
+    for n, w in weights.items():
+        q = nvfp4.quantize(w, g)
+        base = n[: -len(".weight")]
+        writer.add(f"{base}.weight_packed", q.weight_packed)
+        writer.add(f"{base}.weight_scale", q.weight_scale)
+        writer.add(f"{base}.weight_global_scale", q.weight_global_scale)
+        out.append((n, w, q))
+    return out
+
+
 def quantization_config(ignore: list[str]) -> dict:
     """The `quantization_config` block, built by compressed-tensors itself (what vLLM parses)."""
     import compressed_tensors
@@ -202,17 +220,11 @@ def quantize_checkpoint(src: Path, dst: Path, device: str, max_shard_mb: int) ->
             for n, w in weights.items():
                 if not torch.isfinite(w).all():
                     raise ConfigError(f"{n} has NaN/Inf values; refusing to quantize it")
-            g = nvfp4.global_scale(*weights.values())
-            for n, w in weights.items():
-                q = nvfp4.quantize(w, g)
+            for n, w, q in write_quantized_group(writer, weights):
                 w_hat = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float32)
                 wf = w.float()
                 errors[n[: -len(".weight")]] = float((w_hat - wf).norm() / wf.norm().clamp_min(1e-30))
                 bytes_in += w.numel() * w.element_size()
-                base = n[: -len(".weight")]
-                writer.add(f"{base}.weight_packed", q.weight_packed)
-                writer.add(f"{base}.weight_scale", q.weight_scale)
-                writer.add(f"{base}.weight_global_scale", q.weight_global_scale)
             del weights
     seconds = time.time() - t0
     total = writer.close()
