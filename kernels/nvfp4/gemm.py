@@ -123,14 +123,49 @@ def _decode_tile(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexp
 
 
 @triton.jit
+def _decode_tile_kperm(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr):
+    """`_decode_tile` for a K-permuted tile: bytes b uint8 [BR, G*8] in memory order + e4m3
+    bytes sc uint8 [BR, G] → the weights [BR, G*16] in the reduction order p of `_kperm`.
+
+    Byte i of the tile holds elements k = 2i, 2i+1. Viewed as [BR, 4 (l), G (g), 2 (j)]
+    (i = 2G·l + 2g + j) it decodes to [BR, l, g, j, h] with k = 4G·l + 4g + 2j + h and block
+    scale k // 16 = (G/4)·l + g // 4; reordered to [BR, g, j, l, h] that is position
+    p = 16g + 8j + 2l + h. In wgmma's A fragment a thread holds positions 16g + 2l + {0,1,8,9}
+    of a row for every g, which are then its 2G contiguous bytes 2G·l … 2G·l + 2G - 1."""
+    s = _e4m3_decode(sc.to(tl.int32))  # [BR, G]: (l, g // 4) in memory order
+    s = tl.broadcast_to(tl.reshape(s, (BR, 4, G // 4, 1, 1)), (BR, 4, G // 4, 4, 2))
+    s = tl.reshape(s, (BR, 4, G, 2))
+    b = tl.reshape(b, (BR, 4, G, 2))
+    if GPU_MATH:
+        lo, hi = tl.inline_asm_elementwise(
+            _DECODE_ASM, "=r,=r,=r,=r,r,r,r", [b, (s * _TWO_POW_118).to(tl.bfloat16)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        bi = b.to(tl.int32)
+        lo = _e2m1_fp32(bi & 15) * s
+        hi = _e2m1_fp32(bi >> 4) * s
+    w = tl.permute(tl.join(lo, hi), (0, 2, 3, 1, 4))  # [BR, g, j, l, h]
+    return tl.reshape(w, (BR, G * 16))
+
+
+@triton.jit
+def _kperm(a, BR: tl.constexpr, G: tl.constexpr):
+    """Columns of a [BR, G*16] in the reduction order p of `_decode_tile_kperm`:
+    column k = 4G·l + 4g + 2j + h moves to p = 16g + 8j + 2l + h."""
+    a = tl.permute(tl.reshape(a, (BR, 4, G, 2, 2)), (0, 2, 3, 1, 4))
+    return tl.reshape(a, (BR, G * 16))
+
+
+@triton.jit
 def _w4a16_kernel(
     a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
-    M, N_OUT, RED, R, C, MN, stride_am, stride_ak, SPLIT_K, M_BUCKET,
+    M, N_OUT, RED, R, C, MN, stride_am, stride_ak, stride_w, stride_s, SPLIT_K, M_BUCKET,
     TRANS_W: tl.constexpr,  # False: c = a @ Wᵀ (reduce over W's columns); True: c = a @ W
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     GPU_MATH: tl.constexpr,
+    PERMUTE_K: tl.constexpr,  # forward only, EVEN_K, BLOCK_K % 64 == 0: see _decode_tile_kperm
 ):
     # ---- tile of the output (grouped order: GROUP_M row-tiles share a column-tile in L2)
     pid = tl.program_id(0)
@@ -157,7 +192,6 @@ def _w4a16_kernel(
     a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk.to(tl.int64)[None, :] * stride_ak
     a_step = BLOCK_K * stride_ak
 
-    C2 = C // 2
     CG = C // 16
     j8 = tl.arange(0, 8)
     if TRANS_W:
@@ -165,18 +199,21 @@ def _w4a16_kernel(
         GW: tl.constexpr = BLOCK_N // 16
         rows = rk.to(tl.int64)
         grp = pid_n * GW + tl.arange(0, GW)
-        p_ptrs = packed_ptr + rows[:, None, None] * C2 + (grp[None, :, None] * 8 + j8[None, None, :])
-        s_ptrs = scale_ptr + rows[:, None] * CG + grp[None, :]
-        p_step = BLOCK_K * C2
-        s_step = BLOCK_K * CG
+        p_ptrs = packed_ptr + rows[:, None, None] * stride_w + (grp[None, :, None] * 8 + j8[None, None, :])
+        s_ptrs = scale_ptr + rows[:, None] * stride_s + grp[None, :]
+        p_step = BLOCK_K * stride_w
+        s_step = BLOCK_K * stride_s
         col_ok = grp < CG
     else:
         # W tile [BLOCK_N rows (output), BLOCK_K cols (reduction)]
         GW: tl.constexpr = BLOCK_K // 16
         rows = rn.to(tl.int64)
         grp = kt0 * GW + tl.arange(0, GW)
-        p_ptrs = packed_ptr + rows[:, None, None] * C2 + (grp[None, :, None] * 8 + j8[None, None, :])
-        s_ptrs = scale_ptr + rows[:, None] * CG + grp[None, :]
+        if PERMUTE_K:  # the tile's bytes in memory order, [BLOCK_N, BLOCK_K / 2]
+            p_ptrs = packed_ptr + rows[:, None] * stride_w + (kt0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2))[None, :]
+        else:
+            p_ptrs = packed_ptr + rows[:, None, None] * stride_w + (grp[None, :, None] * 8 + j8[None, None, :])
+        s_ptrs = scale_ptr + rows[:, None] * stride_s + grp[None, :]
         p_step = BLOCK_K // 2
         s_step = GW
         row_ok = rn < R
@@ -207,12 +244,18 @@ def _w4a16_kernel(
                 acc = tl.dot(a, w, acc)
         else:
             wmask = row_ok[:, None]
-            if not EVEN_K:
-                g_ok = (kt * GW + tl.arange(0, GW)) < CG
-                wmask = wmask & g_ok[None, :]
-            b = tl.load(p_ptrs, mask=wmask[:, :, None], other=0)
-            sc = tl.load(s_ptrs, mask=wmask, other=0)
-            w = _decode_tile(b, sc, BLOCK_N, GW, GPU_MATH)  # [BN, BK]
+            if PERMUTE_K:  # EVEN_K
+                b = tl.load(p_ptrs, mask=wmask, other=0)
+                sc = tl.load(s_ptrs, mask=wmask, other=0)
+                w = _decode_tile_kperm(b, sc, BLOCK_N, GW, GPU_MATH)  # [BN, BK], order p
+                a = _kperm(a, BLOCK_M, GW)
+            else:
+                if not EVEN_K:
+                    g_ok = (kt * GW + tl.arange(0, GW)) < CG
+                    wmask = wmask & g_ok[None, :]
+                b = tl.load(p_ptrs, mask=wmask[:, :, None], other=0)
+                sc = tl.load(s_ptrs, mask=wmask, other=0)
+                w = _decode_tile(b, sc, BLOCK_N, GW, GPU_MATH)  # [BN, BK]
             if SWAP_AB:
                 acc = tl.dot(w, tl.trans(a), acc)
             else:
@@ -351,6 +394,11 @@ INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": Fals
 _autotuned = None
 
 
+def _permute_k(trans_w: bool, red: int, block_k: int) -> bool:
+    """Whether the forward reads its tile in the K-permuted order (`_decode_tile_kperm`)."""
+    return not trans_w and red % block_k == 0 and block_k % 64 == 0
+
+
 def _tuned_kernel():
     global _autotuned
     if _autotuned is None:
@@ -358,7 +406,9 @@ def _tuned_kernel():
             configs=_CONFIGS,
             key=["M_BUCKET", "N_OUT", "RED", "TRANS_W", "HAS_BIAS"],
             prune_configs_by={"early_config_prune": _prune},
-        )(triton.heuristics({"EVEN_K": lambda a: a["RED"] % a["BLOCK_K"] == 0})(_w4a16_kernel))
+        )(triton.heuristics({"EVEN_K": lambda a: a["RED"] % a["BLOCK_K"] == 0,
+                             "PERMUTE_K": lambda a: _permute_k(a["TRANS_W"], a["RED"], a["BLOCK_K"])})
+          (_w4a16_kernel))
     return _autotuned
 
 
@@ -441,8 +491,9 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
         cnt = _counters(a.device, tiles)
         _w4a16_kernel[(tiles, split)](
             a2, packed, scale, g, bias_arg, out, ws, cnt,
-            M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), split, m_bucket,
-            EVEN_K=(red % bk == 0), **common, **cfg,
+            M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), packed.stride(0),
+            scale.stride(0), split, m_bucket, EVEN_K=(red % bk == 0),
+            PERMUTE_K=cfg.pop("PERMUTE_K", True) and _permute_k(trans_w, red, bk), **common, **cfg,
         )
     else:
         kernel = _tuned_kernel()
@@ -457,7 +508,8 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
 
         kernel[grid](
             a2, packed, scale, g, bias_arg, out, ws, cnt,
-            M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), M_BUCKET=m_bucket, **common,
+            M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), packed.stride(0),
+            scale.stride(0), M_BUCKET=m_bucket, **common,
         )
     return out.reshape(*lead, n_out)
 
