@@ -46,7 +46,7 @@ from .reference import BLOCK
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NVFP4Linear", "W4A16Function", "dequantize", "linear_w4a16", "grad_input_w4a16", "backend_name"]
+__all__ = ["NVFP4Linear", "W4A16Function", "DequantPrefetch", "dequantize", "linear_w4a16", "grad_input_w4a16", "backend_name"]
 
 
 # ----------------------------------------------------------------------------- backends
@@ -106,10 +106,14 @@ def _backend(x: Tensor):
     """THE choice of GEMM implementation. QERL_NVFP4_GEMM: 'auto' (default: dequant+cublas for
     bf16 CUDA activations, the reference otherwise), 'fused' (the fused Triton kernels of
     kernels/nvfp4/gemm.py), 'reference' (byte-table dequantize + matmul; debugging, A/B)."""
+    return _backend_for(x.device, x.dtype)
+
+
+def _backend_for(device: torch.device, dtype: torch.dtype):
     choice = os.environ.get("QERL_NVFP4_GEMM", "auto")
     if choice not in ("auto", "fused", "reference"):
         raise ValueError(f"QERL_NVFP4_GEMM must be auto, fused or reference, not {choice!r}")
-    if x.is_cuda and x.dtype == torch.bfloat16 and choice != "reference":
+    if device.type == "cuda" and dtype == torch.bfloat16 and choice != "reference":
         if choice == "fused":
             fused = _fused()
             if fused is not None:
@@ -124,14 +128,16 @@ def backend_name(x: Tensor) -> str:
 
 
 def _linear(x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None,
-            keep: bool) -> tuple[Tensor, Tensor | None]:
-    """(x @ Ŵᵀ + bias, Ŵ when `keep` and the backend materializes it, else None)."""
+            keep: bool, w: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(x @ Ŵᵀ + bias, Ŵ when `keep` and the backend materializes it, else None).
+    `w`: Ŵ already dequantized (by `DequantPrefetch`), used when the backend dequantizes."""
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    backend, w = _backend(x), None
+    backend = _backend(x)
     if bias is not None:
         bias = bias.to(x.dtype)
     if hasattr(backend, "dequantize"):
-        w = backend.dequantize(packed, scale, gscale, x.dtype)
+        if w is None or w.dtype != x.dtype:
+            w = backend.dequantize(packed, scale, gscale, x.dtype)
         y = x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
     else:
         y = backend.linear_w4a16(x2, packed, scale, gscale, bias)
@@ -164,8 +170,8 @@ class W4A16Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None,
-                keep_weight: bool) -> Tensor:
-        y, w = _linear(x, packed, scale, gscale, bias, keep_weight)
+                keep_weight: bool, w: Tensor | None = None) -> Tensor:
+        y, w = _linear(x, packed, scale, gscale, bias, keep_weight, w)
         ctx.save_for_backward(packed, scale, gscale, w)
         return y
 
@@ -175,7 +181,7 @@ class W4A16Function(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = grad_input_w4a16(dy.contiguous(), packed, scale, gscale, w)
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- the module
@@ -196,6 +202,7 @@ class NVFP4Linear(nn.Module):
         # that block's backward, so this holds one decoder layer's bf16 weights at a time.
         # Without checkpointing it would hold the whole model in bf16.
         self.keep_dequantized = False
+        self.prefetched: Tensor | None = None  # Ŵ made ahead by DequantPrefetch; used once
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
                                                           device=device))
         self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK,
@@ -241,8 +248,9 @@ class NVFP4Linear(nn.Module):
                           dtype or self.act_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        w, self.prefetched = self.prefetched, None
         return W4A16Function.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
-                                   self.bias, self.keep_dequantized)
+                                   self.bias, self.keep_dequantized, w)
 
     def nbytes(self) -> int:
         """Bytes held by the frozen weight (packed codes + scales + global scale + bias)."""
@@ -251,3 +259,101 @@ class NVFP4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format=nvfp4-pack-quantized, frozen")
+
+
+# ----------------------------------------------------------------------------- prefetch
+
+class DequantPrefetch:
+    """Dequantize the next decoder layer's NVFP4 weights while the current layer computes.
+
+    Each decoder layer gets a forward pre-hook. When layer i starts, the Ŵ made ahead for it
+    (if the guess was right) is handed to its NVFP4Linear modules, and the dequantize of the
+    layer expected next is issued: i + 1 while the layers come in order (a forward pass), i - 1
+    when they come backwards (gradient checkpointing recomputes them during backward, last
+    layer first), i itself at either end (with checkpointing the last layer's recomputation
+    follows its forward, and the next micro-batch starts where the recomputation ended); a
+    jump of more than one layer starts a new sweep. On CUDA that work runs on a side stream,
+    so the memory-bound dequantize overlaps the current layer's GEMMs and attention instead
+    of following them; the main stream waits on an event before the first use. Elsewhere it runs inline, which changes
+    nothing, so `for_layers` attaches it off CUDA only when asked (`inline=True`, tests).
+
+    Cost: one more decoder layer of bf16 weights alive at a time (0.47 GB at Qwen2.5-7B).
+    Correctness does not depend on the guess: the base is frozen, so a Ŵ made for a module is
+    its Ŵ whenever it is used, and a wrong guess only means that layer dequantizes inline.
+    Only for backends that dequantize (dequant+cuBLAS, reference); `for_layers` returns None
+    for the fused kernels, which never materialize Ŵ."""
+
+    def __init__(self, layers: list[list[NVFP4Linear]], device: torch.device, backend):
+        self.layers, self.backend = layers, backend
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.last: int | None = None  # the layer entered last, and which way the layers go
+        self.direction = 1
+        self.pending: tuple[int, list[tuple[NVFP4Linear, Tensor]], object] | None = None
+        self.hits = self.issued = 0
+        self.handles: list = []
+
+    @classmethod
+    def for_layers(cls, decoder_layers, *, inline: bool = False) -> "DequantPrefetch | None":
+        """Attach to an iterable of decoder-layer modules (e.g. `model.model.layers`); None
+        when they hold no NVFP4Linear, are not on CUDA (unless `inline`) or the backend does
+        not dequantize."""
+        decoder_layers = list(decoder_layers)
+        layers = [[m for m in layer.modules() if isinstance(m, NVFP4Linear)] for layer in decoder_layers]
+        if not any(layers):
+            return None
+        first = next(m for group in layers for m in group)
+        device = first.weight_packed.device
+        backend = _backend_for(device, first.act_dtype)
+        if (device.type != "cuda" and not inline) or not hasattr(backend, "dequantize"):
+            return None
+        self = cls(layers, device, backend)
+        for i, layer in enumerate(decoder_layers):
+            self.handles.append(layer.register_forward_pre_hook(
+                lambda _mod, _args, i=i: self._enter(i)))
+        return self
+
+    def _enter(self, i: int) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == i:
+            _, made, event = pending
+            if self.stream is not None:
+                main = torch.cuda.current_stream(self.stream.device)
+                main.wait_event(event)
+                for _, w in made:
+                    w.record_stream(main)  # made on the side stream, used (and freed) on main
+            for mod, w in made:
+                mod.prefetched = w
+            self.hits += 1
+        n = len(self.layers)
+        if self.last is None or abs(i - self.last) > 1:  # a new sweep: up from the first layer
+            self.direction = 1 if i < n / 2 else -1
+        elif i == self.last:  # the sweep turned at an end (checkpointing recomputes that layer)
+            self.direction = -self.direction
+        else:
+            self.direction = 1 if i > self.last else -1
+        nxt = i + self.direction if 0 <= i + self.direction < n else i
+        self.last = i
+        if 0 <= nxt < len(self.layers) and self.layers[nxt]:
+            self.pending = (nxt, *self._make(self.layers[nxt]))
+            self.issued += 1
+
+    def _make(self, mods: list[NVFP4Linear]):
+        def run():
+            return [(m, self.backend.dequantize(m.weight_packed, m.weight_scale, m.weight_global_scale,
+                                                m.act_dtype)) for m in mods]
+        if self.stream is None:
+            return run(), None
+        with torch.cuda.stream(self.stream):
+            made = run()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return made, event
+
+    def remove(self) -> None:
+        """Detach the hooks and drop anything made ahead."""
+        for h in self.handles:
+            h.remove()
+        self.handles, self.pending, self.last = [], None, None
+        for group in self.layers:
+            for m in group:
+                m.prefetched = None
