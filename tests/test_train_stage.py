@@ -148,6 +148,76 @@ def test_gradient_checkpointing_gives_the_same_lora_gradients(smollm2_nvfp4):
         torch.testing.assert_close(kept[k], ckpt[k], atol=0, rtol=0)
 
 
+def test_dequant_prefetch_hands_each_layer_its_weights_ahead(smollm2_nvfp4):
+    """The prefetcher's guesses under checkpointing (forward up, recomputation down, next
+    micro-batch up again) and the same gradients, bit for bit, as dequantizing at use."""
+    from components.train.model import attach_lora, load_base, logprobs
+    from kernels.nvfp4.linear import DequantPrefetch
+
+    torch.manual_seed(0)
+    m = attach_lora(load_base(smollm2_nvfp4), 4, 8)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)
+    m.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for mod in m.modules():
+        if isinstance(mod, NVFP4Linear):
+            mod.keep_dequantized = True
+    ids = torch.randint(0, 49152, (2, 12))
+    am, cm = torch.ones_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    cm[:, 6:] = True
+
+    def grads(micro_batches=2):
+        m.zero_grad()
+        m.train()
+        for _ in range(micro_batches):
+            logprobs(m, ids, am, cm)[0].sum().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    layers = m.base_model.model.model.layers
+    assert DequantPrefetch.for_layers(layers) is None  # CPU: only when asked
+    plain = grads()
+    pf = DequantPrefetch.for_layers(layers, inline=True)
+    used = []
+    for i, layer in enumerate(layers):  # which layers found their Ŵ made ahead
+        layer.register_forward_pre_hook(lambda mod, args, i=i: used.append(
+            (i, all(q.prefetched is not None for q in mod.modules() if isinstance(q, NVFP4Linear)))))
+    ahead = grads()
+    n = len(layers)
+    # 2 micro-batches x (forward 0..n-1, then recomputation n-1..0); only the very first misses
+    assert [i for i, _ in used] == (list(range(n)) + list(range(n - 1, -1, -1))) * 2
+    assert [hit for _, hit in used] == [False] + [True] * (4 * n - 1)
+    assert (pf.hits, pf.issued) == (4 * n - 1, 4 * n)
+    for k in plain:
+        torch.testing.assert_close(ahead[k], plain[k], atol=0, rtol=0)
+    # plain forwards after that: the first starts where the recomputation ended (layer 0);
+    # the second jumps from the last layer to layer 0, a new sweep whose first layer misses
+    m.eval()
+    with torch.no_grad():
+        used.clear()
+        logprobs(m, ids, am, cm)
+        logprobs(m, ids, am, cm)
+    assert [hit for _, hit in used] == [True] * n + [False] + [True] * (n - 1)
+    pf.remove()
+    assert all(q.prefetched is None for q in m.modules() if isinstance(q, NVFP4Linear))
+
+
+def test_garbage_collection_is_manual_inside_the_iteration_and_counted():
+    import gc
+
+    from components.train.trainer import _GarbageCollection
+
+    assert gc.isenabled()
+    with _GarbageCollection(manual=True) as c:
+        assert not gc.isenabled()
+    assert gc.isenabled() and c.full_passes == 0
+    with _GarbageCollection(manual=False) as c:
+        assert gc.isenabled()
+        gc.collect()  # a full pass, as the allocation count would trigger one
+    assert c.full_passes == 1 and c.seconds > 0 and gc.isenabled()
+
+
 def test_keep_dequantized_saves_the_weight_only_when_asked():
     q = _quantized()
     layer = NVFP4Linear.from_checkpoint_tensors(*q, bias=torch.randn(48), dtype=torch.float32)
@@ -308,6 +378,8 @@ def test_end_to_end_publishes_standard_peft_adapter(run1, smollm2_artifact, toke
     assert m["updated"] and m["step"] == 1 and m["micro_batches"] >= 2
     assert 0.01 < m["rollout_logp_abs_diff"] < 0.1  # the 0.05-sigma perturbation
     assert m["entropy"] > 0 and m["grad_norm"] > 0 and m["tokens_per_s"] > 0
+    assert m["gc_full_passes"] == 0  # manual_gc: no full collection inside the iteration
+    assert "dequant_prefetch_hits" not in m  # CPU: no side stream to overlap with, not attached
     # logp_old (no-grad pass) and the first epoch's logp_new are the same numbers: ratio 1
     assert m["epochs"][0]["approx_kl"] < 1e-7 and m["epochs"][0]["clip_fraction"] == 0
     print(f"\nCPU train step: {m['tokens_per_s']:.1f} tokens/s, update {m['seconds_update']:.1f}s, "

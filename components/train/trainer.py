@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from components.common.schemas import SchemaError
 from components.reward.validate import check_rewards
 from components.train import objective as O
 from components.train.model import attach_lora, load_base, logprobs, reference_logprobs
-from kernels.nvfp4.linear import NVFP4Linear
+from kernels.nvfp4.linear import DequantPrefetch, NVFP4Linear
 
 log = logging.getLogger("qerl.train")
 
@@ -156,6 +157,9 @@ def build_policy(ckpt_dir, cfg, device: torch.device, base_name: str | None = No
         for mod in policy.modules():
             if isinstance(mod, NVFP4Linear):
                 mod.keep_dequantized = True
+    if cfg.dequant_prefetch:
+        layers = getattr(base.get_decoder(), "layers", None)
+        policy.dequant_prefetch = DequantPrefetch.for_layers(layers) if layers is not None else None
     return policy
 
 
@@ -269,6 +273,41 @@ def attention_kernels(cudnn: bool):
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
+class _GarbageCollection:
+    """Python's cyclic garbage collector inside the iteration: counts its full (oldest
+    generation) passes and their seconds; with `manual`, automatic collection is off inside
+    (one collection before, one after). A full pass walks every tracked object of the process
+    (the model's modules, PEFT wrappers, ...) and lands wherever the allocation count says,
+    i.e. in the middle of some epoch."""
+
+    def __init__(self, manual: bool):
+        self.manual, self.full_passes, self.seconds, self._t = manual, 0, 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.full_passes += 1
+            self.seconds += time.perf_counter() - self._t
+
+    def __enter__(self):
+        gc.collect()
+        gc.callbacks.append(self._callback)
+        self._was_enabled = gc.isenabled()
+        if self.manual:
+            gc.disable()
+        return self
+
+    def __exit__(self, *exc):
+        if self._was_enabled:
+            gc.enable()
+        gc.callbacks.remove(self._callback)
+        gc.collect()
+        return False
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -276,8 +315,10 @@ def _sync(device: torch.device) -> None:
 
 def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device) -> dict:
     """Advantages, logp_old (+ ref), then `epochs` optimizer steps over the batch. Metrics."""
-    with attention_kernels(cfg.cudnn_attention):
-        return _train_iteration(policy, opt, sched, batch, cfg, device)
+    with attention_kernels(cfg.cudnn_attention), _GarbageCollection(cfg.manual_gc) as collector:
+        metrics = _train_iteration(policy, opt, sched, batch, cfg, device)
+    metrics.update(gc_full_passes=collector.full_passes, gc_seconds=collector.seconds)
+    return metrics
 
 
 def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device) -> dict:
@@ -387,4 +428,7 @@ def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device
         tokens_per_s=tokens_seen / max(t_end - t_upd, 1e-9),
         peak_memory_mb=_peak_memory_mb(device),
     )
+    prefetch = getattr(policy, "dequant_prefetch", None)
+    if prefetch is not None:  # layers whose Ŵ was made ahead / layer entries that tried
+        metrics.update(dequant_prefetch_hits=prefetch.hits, dequant_prefetch_issued=prefetch.issued)
     return metrics
