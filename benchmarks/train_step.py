@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=32)
     ap.add_argument("--epochs", type=int, default=1, help="optimizer steps over the batch (the first pays one-time costs)")
     ap.add_argument("--cudnn-attention", action="store_true", help="let SDPA use cuDNN attention (the stage's cudnn_attention)")
+    ap.add_argument("--dequant-prefetch", choices=["on", "off", "both"], default="on",
+                    help="the stage's dequant_prefetch for the NVFP4 base; both: one run each")
+    ap.add_argument("--auto-gc", action="store_true",
+                    help="leave Python's automatic garbage collection on during the update (the stage's manual_gc off)")
     ap.add_argument("--workdir", default="/tmp/qerl-bench")
     ap.add_argument("--json", help="save the figures here")
     ap.add_argument("--profile", metavar="DIR", help="also write DIR/<base>/update_profile.txt (torch.profiler)")
@@ -76,11 +80,13 @@ def main() -> None:
     vocab = SHAPES[args.shape][5]
     rollouts, rewards = make_shards(work, vocab, args.seqs, args.seq_len)
     rows = []
-    for base in bases:
+    prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.dequant_prefetch]
+    for base, pf in [(b, p) for b in bases for p in (prefetch if b == "nvfp4" else [False])]:
         out = work / f"adapter-{base}-{int(time.time())}"
         cfg = json.dumps({"lora_rank": args.lora_rank, "lora_alpha": 2 * args.lora_rank, "gradient_checkpointing": True,
                           "micro_batch_tokens": 2 * args.seq_len, "tis_cap": 2.0, "epochs": args.epochs,
-                          "cudnn_attention": args.cudnn_attention})
+                          "cudnn_attention": args.cudnn_attention, "dequant_prefetch": pf,
+                          "manual_gc": not args.auto_gc})
         t0 = time.time()
         subprocess.run([sys.executable, "-m", "components.train", "--model", str(nvfp4 if base == "nvfp4" else bf16),
                         "--rollouts", rollouts, "--rewards", rewards, "--output", str(out), "--config-text", cfg],
@@ -91,8 +97,12 @@ def main() -> None:
         rows.append({"shape": args.shape, "base": base, "tokens": args.seqs * args.seq_len,
                      "update_tok_s": round(m["tokens_per_s"], 1), "update_s": round(m["seconds_update"], 2),
                      "epoch_s": [round(e["seconds"], 2) for e in m["epochs"]], "cudnn_attention": args.cudnn_attention,
-                     "logp_old_s": round(m["seconds_logp_old"], 2), "stage_wall_s": round(time.time() - t0, 1),
-                     "peak_mem_gb": round(m["peak_memory_mb"] / 1024, 2)})  # GPU on CUDA, host RSS on CPU
+                     "dequant_prefetch": pf, "logp_old_s": round(m["seconds_logp_old"], 2), "stage_wall_s": round(time.time() - t0, 1),
+                     "peak_mem_gb": round(m["peak_memory_mb"] / 1024, 2),  # GPU on CUDA, host RSS on CPU
+                     "loss": m["loss"], "grad_norm": m["grad_norm"],
+                     "prefetch_hits": m.get("dequant_prefetch_hits"), "prefetch_issued": m.get("dequant_prefetch_issued"),
+                     "manual_gc": not args.auto_gc, "gc_full_passes": m.get("gc_full_passes"),
+                     "gc_s": round(m.get("gc_seconds", 0.0), 3)})
         print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
