@@ -19,7 +19,8 @@ The GEMMs go through `_backend(x)`, the one place that picks the implementation:
   18944×3584 weight on an H200) into a transient bf16 Ŵ, then cuBLAS. This is the default
   because it was measured faster: on an H200 the fused kernels of `kernels/nvfp4/gemm.py`
   (`QERL_NVFP4_GEMM=fused`), which never materialize Ŵ, win only at M ≤ 16 and run at
-  23-33 % of cuBLAS from M = 256 on (kernels/nvfp4/NOTES.md);
+  18-51 % of cuBLAS from M = 256 on (kernels/nvfp4/NOTES.md). `DequantPrefetch` (below)
+  makes the next decoder layer's Ŵ on a side stream;
 * otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
   byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
   decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
