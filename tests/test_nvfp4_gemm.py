@@ -152,6 +152,17 @@ def _interpreter_check() -> dict:
                     expect("grad_input " + tag, gemm.grad_input_w4a16(dy, *q, _config=cfg),
                            dx_ref, dy.double() @ w64, (M, K))
 
+    # the forward's K-permuted tile (PERMUTE_K, what every GPU config with BLOCK_K ≥ 64 uses)
+    # at the production BLOCK_K = 128 and 256 (G = 8, 16), against the unpermuted read
+    for bk, split in ((128, 2), (256, 1)):
+        q = make_weight(32, 512, 40 + bk)
+        w64 = ref.dequantize(*q, dtype=torch.float32).double()
+        x = torch.randn(5, 512, generator=gen).bfloat16()
+        for perm in (True, False):
+            cfg = dict(base, BLOCK_N=16, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, PERMUTE_K=perm)
+            expect(f"linear K512 BK{bk} permute={perm}", gemm.linear_w4a16(x, *q, _config=cfg),
+                   gemm.reference_linear(x, *q), x.double() @ w64.t(), (5, 32))
+
     # bias (bf16 and fp32), leading batch dims, non-contiguous inputs
     q = make_weight(48, 64, 99)
     w64 = ref.dequantize(*q, dtype=torch.float32).double()
