@@ -279,6 +279,9 @@ def test_gpu_overlay():
     assert "requests.nvidia.com/gpu" in quota["spec"]["hard"]
     pc = find(docs, "PriorityClass", "qerl-gpu")
     assert pc["globalDefault"] is False
+    # the GPU tasks' compiled-kernel cache; its name is what the run config points at
+    pvc = find(docs, "PersistentVolumeClaim", "qerl-kernel-cache")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_secret_placeholders_are_marked():

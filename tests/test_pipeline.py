@@ -77,6 +77,22 @@ def test_compiled_dag(tmp_path, iterations):
     assert tasks["qerl-quantize"]["cachingOptions"]["enableCache"] is True
 
 
+def test_kernel_cache_volume_on_gpu_tasks_only(tmp_path):
+    spec, k8s = compiled(tmp_path, cluster={"kernel_cache_pvc": "qerl-kernel-cache"})
+    execs = spec["deploymentSpec"]["executors"]
+    for stage in ("rollout", "train", "quantize", "reward", "prompts"):
+        name = next(n for n in execs if n.startswith(f"exec-qerl-{stage}"))
+        env = {e["name"]: e["value"] for e in execs[name]["container"].get("env", [])}
+        mounts = k8s[name].get("pvcMount", [])
+        if stage in pipeline.GPU_STAGES:
+            assert [(m["constant"], m["mountPath"]) for m in mounts] == [("qerl-kernel-cache", "/var/cache/qerl")]
+            assert env == pipeline.KERNEL_CACHE_ENV and env["TRITON_CACHE_DIR"].startswith("/var/cache/qerl/")
+        else:
+            assert mounts == [] and not set(env) & set(pipeline.KERNEL_CACHE_ENV), stage
+    _, k8s = compiled(tmp_path)  # the default: no claim, nothing mounted
+    assert not any(e.get("pvcMount") for e in k8s.values())
+
+
 def test_bad_run_config_is_refused(tmp_path):
     with pytest.raises(pipeline.ConfigError, match="RolloutConfig"):
         pipeline.load_run_config(None, rollout={"samplez": 3})
