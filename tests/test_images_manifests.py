@@ -282,6 +282,12 @@ def test_gpu_overlay():
     # the GPU tasks' compiled-kernel cache; its name is what the run config points at
     pvc = find(docs, "PersistentVolumeClaim", "qerl-kernel-cache")
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    # ... handed to the user the stage images run as, or their first compile fails
+    job = find(docs, "Job", "qerl-kernel-cache-init")["spec"]["template"]["spec"]
+    assert job["volumes"][0]["persistentVolumeClaim"]["claimName"] == "qerl-kernel-cache"
+    uids = {re.search(r"^USER (\d+)$", (IMAGES / f"{s}.Dockerfile").read_text(), re.M).group(1)
+            for s in ("rollout", "train", "quantize")}
+    assert len(uids) == 1 and f"chown {uids.pop()}:" in job["containers"][0]["command"][-1]
 
 
 def test_secret_placeholders_are_marked():
