@@ -112,15 +112,23 @@ def test_peft_wraps_nvfp4_linear():
     assert attach_lora  # the model-level wrapper is exercised end to end below
 
 
-def test_gradient_checkpointing_gives_the_same_lora_gradients(smollm2_nvfp4):
-    from components.train.model import attach_lora, load_base, logprobs
+def _smollm2_with_lora(ckpt):
+    """SmolLM2-NVFP4 with a seeded r-4 LoRA whose B is non-zero (so the adapter matters)."""
+    from components.train.model import attach_lora, load_base
 
     torch.manual_seed(0)
-    m = attach_lora(load_base(smollm2_nvfp4), 4, 8)
+    m = attach_lora(load_base(ckpt), 4, 8)
     with torch.no_grad():
         for n, p in m.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.01)
+    return m
+
+
+def test_gradient_checkpointing_gives_the_same_lora_gradients(smollm2_nvfp4):
+    from components.train.model import logprobs
+
+    m = _smollm2_with_lora(smollm2_nvfp4)
     ids = torch.randint(0, 49152, (2, 20))
     am = torch.ones_like(ids)
     am[1, 16:] = 0
@@ -151,15 +159,10 @@ def test_gradient_checkpointing_gives_the_same_lora_gradients(smollm2_nvfp4):
 def test_dequant_prefetch_hands_each_layer_its_weights_ahead(smollm2_nvfp4):
     """The prefetcher's guesses under checkpointing (forward up, recomputation down, next
     micro-batch up again) and the same gradients, bit for bit, as dequantizing at use."""
-    from components.train.model import attach_lora, load_base, logprobs
+    from components.train.model import logprobs
     from kernels.nvfp4.linear import DequantPrefetch
 
-    torch.manual_seed(0)
-    m = attach_lora(load_base(smollm2_nvfp4), 4, 8)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.01)
+    m = _smollm2_with_lora(smollm2_nvfp4)
     m.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for mod in m.modules():
         if isinstance(mod, NVFP4Linear):
