@@ -97,6 +97,27 @@ def test_kernels_in_interpreter():
     print(f"{report['checks']} interpreter checks, worst rel. error {report['worst']:.2e}")
 
 
+def test_forward_reads_whole_vectors_of_its_tile_on_hopper():
+    """Compiled for sm_90a without a GPU (benchmarks/nvfp4_gemm_ptx.py): the K-permuted
+    forward feeds wgmma from 128-bit shared-memory loads, the unpermuted read takes its
+    bytes one at a time (kernels/nvfp4/NOTES.md, fourth session)."""
+    import os
+    import subprocess
+
+    cfg = '{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"num_warps":4,"num_stages":4'
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), "--config", cfg + "}",
+                           "--config", cfg + ',"PERMUTE_K":false}'], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    permuted, plain = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    for r in (permuted, plain):
+        assert r["wgmma"] > 0 and r["spill_store_bytes"] == 0, r
+    assert "ld.shared.b8" not in permuted["memory_instructions"], permuted
+    assert permuted["memory_instructions"]["ld.shared.v4.b32"] >= 4, permuted
+    assert plain["memory_instructions"]["ld.shared.b8"] >= 32, plain
+
+
 # ---------------------------------------------------------------- interpreter half
 
 def _interpreter_check() -> dict:

@@ -1,0 +1,96 @@
+"""Compile the W4A16 GEMM kernel for Hopper without a GPU and report what ptxas made of it.
+
+    python benchmarks/nvfp4_gemm_ptx.py --config '{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"SPLIT_K":4,"num_warps":4,"num_stages":4}'
+    python benchmarks/nvfp4_gemm_ptx.py --dx --config '...' --out /tmp/k    # also keep TTGIR / PTX
+
+Per config it prints registers, spill bytes, shared memory, the wgmma count and the mix of
+memory instructions in the PTX (byte vs vector shared-memory loads, cp.async, shuffles,
+barriers): the figures that explained the forward's byte loads (kernels/nvfp4/NOTES.md,
+fourth session). Integer arguments are marked divisible by 16 and stride_ak == 1, as triton
+specializes them for real shapes. Use the triton version of the GPU image (3.6 on the H200
+machine, e.g. `pip install --target /tmp/t36 triton==3.6.0` and PYTHONPATH=/tmp/t36): layouts
+and pipelining differ between versions. Uses triton's compiler API (ASTSource, GPUTarget),
+which is not a stable interface.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+INTS = ["M", "N_OUT", "RED", "R", "C", "MN", "stride_am", "stride_w", "stride_s", "SPLIT_K", "M_BUCKET"]
+PTRS = {"a_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
+        "c_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+MEM = r"(?:ld|st)\.shared[.a-z0-9]*|ld\.global[.a-z0-9]*|cp\.async\.c[ag][.a-z0-9]*|bar\.sync|shfl[.a-z0-9]*"
+
+
+def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.nvfp4 import gemm
+
+    cfg = dict(cfg)
+    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+    cfg.pop("SPLIT_K", None)  # a runtime argument
+    bk = cfg["BLOCK_K"]
+    consts = {"TRANS_W": trans_w, "HAS_BIAS": False, "GROUP_M": 8, "EVEN_K": True, "GPU_MATH": True,
+              "PERMUTE_K": cfg.pop("PERMUTE_K", True) and gemm._permute_k(trans_w, bk, bk), "stride_ak": 1, **cfg}
+    names = gemm._w4a16_kernel.arg_names  # the signature must follow the kernel's argument order
+    sig = {n: PTRS.get(n, "constexpr" if n in consts else "i32") for n in names}
+    div16 = [*PTRS, *(n for n in INTS if n not in ("M", "SPLIT_K", "M_BUCKET"))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=gemm._w4a16_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = k.asm["ptx"]
+    # the newest ptxas triton ships: an older one may not know the PTX version triton emits
+    bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
+    ptxas = next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                       capture_output=True, text=True)
+    os.unlink(f.name)
+    if r.returncode:
+        raise RuntimeError(f"{ptxas.name} failed: {r.stderr.strip()[-500:]}")
+    info = r.stderr
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        tag = "_".join(f"{v}" for v in (("dx" if trans_w else "fwd"), *cfg.values(), warps, stages))
+        (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
+        (out / f"{tag}.ptx").write_text(ptx)
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, info)) else None  # noqa: E731
+    return {"registers": num(r"Used (\d+) registers"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
+            "shared_bytes": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+            "memory_instructions": dict(sorted(collections.Counter(re.findall(MEM, ptx)).items()))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--config", type=json.loads, action="append", required=True,
+                    help="kernel config as JSON (BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages, "
+                         "optional PERMUTE_K); repeat for several")
+    ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
+    ap.add_argument("--out", type=Path, help="also write each config's TTGIR and PTX here")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
+        return 2
+    for cfg in args.config:
+        print(json.dumps({"config": cfg, "dx": args.dx, **compile_config(cfg, args.dx, args.out)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
