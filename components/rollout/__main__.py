@@ -60,6 +60,13 @@ class RolloutConfig:
                                "or dequant (bf16 copy of the dequantized weights: cuBLAS speed, bf16 memory); "
                                "CPUs always use dequant", metavar="NAME")
     max_num_seqs: int = field(256, help="most sequences the engine runs at once (the concurrency)")
+    lora_kernel_configs: str = field("bundled", help="GPU: configs of vLLM's LoRA kernels: bundled "
+                                     "(components/rollout/lora_configs, tuned per GPU by benchmarks/lora_kernels.py), "
+                                     "vllm (its untuned defaults) or a folder of such files", metavar="NAME|DIR")
+    lora_dual_stream: bool = field(False, help="GPU: run the LoRA kernels on a second CUDA stream beside the base "
+                                   "layer's GEMM (VLLM_LORA_ENABLE_DUAL_STREAM). Measured on an H200: 2-3 %% more "
+                                   "tokens/s, but 30-40 s more torch.compile at every engine start unless its cache "
+                                   "persists (cluster.kernel_cache_pvc)")
     overwrite: bool = field(False, help="replace an artifact already published at --output")
 
     def __post_init__(self):
@@ -133,8 +140,8 @@ def main(cfg: RolloutConfig) -> None:
                                 tokens=len(chosen) * cfg.samples * cfg.max_tokens)
     log.info("NVFP4 backend %s", why if why.startswith(backend) else f"{backend} ({why})")
     # This run serves one adapter (or none: the iteration-0 policy is the base): size the LoRA
-    # slot to it, and leave LoRA out entirely without one (vLLM's LoRA path costs ~1.7 ms per
-    # decode step at 7B on an H200, measured with benchmarks/rollout.py --lora-rank 0).
+    # slot to it, and leave LoRA out entirely without one (vLLM's LoRA kernels cost ~0.9-1.6 ms
+    # of GPU time per decode step at 7B on an H200, README "Rollouts on GPUs").
     slot = lora_slot_rank(int(lora_cfg["r"])) if lora_cfg else 0
     log.info("LoRA: %s", f"one slot of rank {slot} for the adapter's r={lora_cfg['r']}" if lora_cfg
              else "off (no --adapter)")
@@ -142,7 +149,9 @@ def main(cfg: RolloutConfig) -> None:
                                                    max_model_len=cfg.max_model_len,
                                                    kv_cache_gb=cfg.kv_cache_gb, seed=cfg.seed,
                                                    gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                                   max_num_seqs=cfg.max_num_seqs, nvfp4_backend=backend),
+                                                   max_num_seqs=cfg.max_num_seqs, nvfp4_backend=backend,
+                                                   lora_kernel_configs=cfg.lora_kernel_configs,
+                                                   lora_dual_stream=cfg.lora_dual_stream),
                            enable_lora=lora_cfg is not None)
     kernels = engine.linear_kernels()
     log.info("NVFP4 linear kernel(s): %s", ", ".join(kernels) or "none (an unquantized model)")

@@ -53,6 +53,35 @@ class EngineConfig:
     max_num_seqs: int = 256
     seed: int = 0
     nvfp4_backend: str = "marlin"      # GPU only: marlin, humming or dequant (see backends.py)
+    lora_kernel_configs: str = "bundled"  # GPU only: see lora_kernel_environment
+    lora_dual_stream: bool = False     # GPU only: see lora_kernel_environment
+
+
+# Tuned configs for vLLM's LoRA kernels, written by benchmarks/lora_kernels.py (one file set per GPU).
+LORA_KERNEL_CONFIGS = Path(__file__).with_name("lora_configs")
+
+
+def lora_kernel_environment(configs: str, dual_stream: bool) -> dict[str, str]:
+    """The environment that sets up vLLM's LoRA kernels (Punica shrink/expand) on a GPU.
+
+    configs: "bundled" = `lora_configs/` next to this file (tuned with benchmarks/lora_kernels.py),
+    "vllm" = vLLM's untuned defaults, or a folder of `{gpu}_SHRINK.json` / `{gpu}_EXPAND_*.json`
+    files (VLLM_TUNED_CONFIG_FOLDER; vLLM falls back to its defaults, with a warning, when the
+    folder has no file for this GPU, and takes the nearest tuned shape otherwise).
+    dual_stream: VLLM_LORA_ENABLE_DUAL_STREAM, the LoRA kernels on a second CUDA stream beside
+    the base layer's GEMM (measured on an H200 at 7B: +2-3 % tokens/s, +30-40 s of torch.compile
+    at a cold engine start; README "Rollouts on GPUs")."""
+    if configs == "vllm":
+        folder = None
+    else:
+        folder = LORA_KERNEL_CONFIGS if configs == "bundled" else Path(configs)
+        if not folder.is_dir():
+            raise ConfigError(f"LoRA kernel config folder {folder} does not exist "
+                              "(give 'bundled', 'vllm' or a folder written by benchmarks/lora_kernels.py)")
+    env = {"VLLM_LORA_ENABLE_DUAL_STREAM": "1" if dual_stream else "0"}
+    if folder is not None:
+        env["VLLM_TUNED_CONFIG_FOLDER"] = str(folder.resolve())
+    return env
 
 
 def _prepare_environment(cpu: bool, kv_cache_gb: float) -> None:
@@ -120,6 +149,9 @@ class RolloutEngine:
 
             extra, env = engine_settings(cfg.nvfp4_backend)
             os.environ.update(env)
+            if enable_lora:
+                os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
+                os.environ.update(lora_kernel_environment(cfg.lora_kernel_configs, cfg.lora_dual_stream))
         from kernels.vllm_nvfp4_dequant import register
 
         register()  # also loaded as a vLLM plugin when the project is installed; idempotent
