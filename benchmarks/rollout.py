@@ -79,13 +79,18 @@ def worker(args) -> dict:
     import torch
 
     from components.rollout.backends import engine_settings
-    from components.rollout.engine import _prepare_environment
+    from components.rollout.engine import EngineConfig, _prepare_environment, lora_kernel_environment
 
     root = Path(args.out)
     backend = args.worker
     _prepare_environment(cpu=False, kv_cache_gb=0)
     extra, env = ({}, {"QERL_NVFP4_BACKEND": ""}) if backend == "bf16" else engine_settings(backend)
     os.environ.update(env)
+    stage = EngineConfig()
+    configs = stage.lora_kernel_configs if args.lora_kernel_configs == "stage" else args.lora_kernel_configs
+    dual = stage.lora_dual_stream if args.lora_dual_stream == "stage" else args.lora_dual_stream == "on"
+    os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
+    os.environ.update(lora_kernel_environment(configs, dual))  # as RolloutEngine does
     from kernels.vllm_nvfp4_dequant import register
 
     register()
@@ -142,7 +147,56 @@ def worker(args) -> dict:
         result["tokens_per_second"][str(c)] = round(n / s, 1)
         result["seconds"][str(c)] = round(s, 2)
         print(f"[{backend}] concurrency {c}: {n} tokens in {s:.2f}s = {n / s:,.1f} tok/s", flush=True)
+    result["lora_env"] = {k: os.environ.get(k) for k in ("VLLM_LORA_ENABLE_DUAL_STREAM", "VLLM_TUNED_CONFIG_FOLDER")}
+    for c in [int(c) for c in args.profile.split(",") if c]:
+        result.setdefault("profile", {})[str(c)] = profile_decode(batch, c, backend)
     return result
+
+
+# kernel-name fragments → what the time is spent on (first match wins)
+KERNEL_KINDS = (("lora", ("_lora_shrink", "_lora_expand")),
+                ("nvfp4 gemm", ("marlin", "humming", "w4a16", "dequant")),
+                ("attention", ("flash", "fmha", "attn", "attention", "paged", "reshape_and_cache")),
+                ("bf16 gemm", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "cublas", "splitk")),
+                ("memset/copy", ("memset", "memcpy", "copy", "fill")))
+
+
+def profile_decode(batch, c: int, backend: str, tokens: int = 64) -> dict:
+    """Where one decode step's time goes at concurrency c: GPU kernel time by kind (torch
+    profiler / CUPTI, kernels inside CUDA graphs included) per generated token, against the wall
+    time per token step. `gpu_busy_ms` is the union of kernel intervals (kernels on two streams
+    overlap); wall minus that is time the GPU had nothing to run (host work, syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch(c, 8)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, wall = batch(c, tokens)
+    kinds: dict[str, float] = {}
+    top: dict[str, float] = {}
+    spans = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type().name != "CUDA":
+            continue
+        ns, name = ev.duration_ns(), ev.name()
+        kind = next((k for k, frags in KERNEL_KINDS if any(f in name.lower() for f in frags)), "other")
+        kinds[kind] = kinds.get(kind, 0) + ns
+        top[name] = top.get(name, 0) + ns
+        spans.append((ev.start_ns(), ev.end_ns()))
+    busy, end = 0, None
+    for s0, s1 in sorted(spans):  # union of the intervals
+        if end is None or s0 > end:
+            busy, end = busy + (s1 - s0), s1
+        elif s1 > end:
+            busy, end = busy + (s1 - end), s1
+    per = 1e6 * tokens  # ns → ms per token step (one prefill + tokens - 1 decode steps)
+    res = {"wall_ms_per_step": round(wall * 1000 / tokens, 3), "gpu_busy_ms_per_step": round(busy / per, 3),
+           "gpu_ms_per_step": {k: round(v / per, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+           "top_kernels_ms_per_step": {k[:120]: round(v / per, 3)
+                                        for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]}}
+    print(f"[{backend}] profile c={c}: {res['wall_ms_per_step']:.2f} ms per step, GPU busy "
+          f"{res['gpu_busy_ms_per_step']:.2f}: " + ", ".join(f"{k} {v:.2f}" for k, v in res["gpu_ms_per_step"].items()),
+          flush=True)
+    return res
 
 
 def main(argv=None) -> int:
@@ -160,6 +214,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/qerl-rollout-bench", help="work dir; results go to results-*.json")
     ap.add_argument("--write-table", nargs="?", const="components/rollout/backend_throughput.json", default=None,
                     help="save the merged figures (all results-*.json in --out) as the stage's measured table")
+    ap.add_argument("--lora-dual-stream", choices=("stage", "on", "off"), default="stage",
+                    help="VLLM_LORA_ENABLE_DUAL_STREAM (LoRA on a second CUDA stream beside the base GEMM); "
+                         "stage: as the rollout stage sets it")
+    ap.add_argument("--lora-kernel-configs", default="stage",
+                    help="configs of vLLM's LoRA kernels: 'bundled', 'vllm' (its defaults), a folder "
+                         "(see components/rollout/engine.py lora_kernel_environment) or 'stage' (what the "
+                         "rollout stage uses)")
+    ap.add_argument("--profile", default="", help="comma list of concurrencies to profile one 64-token decode at "
+                                                 "(GPU time by kernel kind vs wall time per step)")
     ap.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out)
