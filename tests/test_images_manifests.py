@@ -295,3 +295,24 @@ def test_secret_placeholders_are_marked():
         for line in env.read_text().splitlines():
             if line and not line.startswith("#"):
                 assert line.split("=", 1)[1].startswith("REPLACE_ME"), f"{env}: {line}"
+
+
+def test_runtime_data_files_are_package_data():
+    """The images install the wheel and delete the source tree, so every non-Python file a stage
+    reads at run time must be package data (a missing backend table or LoRA config folder would
+    only show on a GPU cluster)."""
+    from fnmatch import fnmatch
+
+    from components.rollout.backends import TABLE_PATH
+    from components.rollout.engine import LORA_KERNEL_CONFIGS
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    needed = [TABLE_PATH, *sorted(LORA_KERNEL_CONFIGS.glob("*.json"))]
+    assert len(needed) > 1, "no bundled LoRA kernel configs"
+    for path in needed:
+        package = ".".join(path.parent.relative_to(ROOT).parts)
+        while package not in data and "." in package:
+            package = package.rsplit(".", 1)[0]
+        pkg_dir = ROOT.joinpath(*package.split("."))
+        rel = path.relative_to(pkg_dir).as_posix()
+        assert any(fnmatch(rel, g) for g in data.get(package, [])), f"{rel} is not package data of {package}"
