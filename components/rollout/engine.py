@@ -152,6 +152,8 @@ class RolloutEngine:
             if enable_lora:
                 os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
                 os.environ.update(lora_kernel_environment(cfg.lora_kernel_configs, cfg.lora_dual_stream))
+                log.info("vLLM LoRA kernels: %s configs, dual stream %s", cfg.lora_kernel_configs,
+                         "on" if cfg.lora_dual_stream else "off")
         from kernels.vllm_nvfp4_dequant import register
 
         register()  # also loaded as a vLLM plugin when the project is installed; idempotent
