@@ -161,39 +161,52 @@ KERNEL_KINDS = (("lora", ("_lora_shrink", "_lora_expand")),
                 ("memset/copy", ("memset", "memcpy", "copy", "fill")))
 
 
-def profile_decode(batch, c: int, backend: str, tokens: int = 64) -> dict:
-    """Where one decode step's time goes at concurrency c: GPU kernel time by kind (torch
-    profiler / CUPTI, kernels inside CUDA graphs included) per generated token, against the wall
-    time per token step. `gpu_busy_ms` is the union of kernel intervals (kernels on two streams
-    overlap); wall minus that is time the GPU had nothing to run (host work, syncs)."""
+def _profiled(batch, c: int, tokens: int) -> dict:
+    """One batch under the torch profiler (CUPTI; kernels inside CUDA graphs included): wall ns,
+    GPU ns by kernel kind and by kernel, and the union of the kernel intervals (`busy`: kernels
+    on two streams overlap)."""
     from torch.profiler import ProfilerActivity, profile
 
-    batch(c, 8)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, wall = batch(c, tokens)
-    kinds: dict[str, float] = {}
-    top: dict[str, float] = {}
+    out = {"wall": wall * 1e9, "kinds": {}, "kernels": {}, "busy": 0}
     spans = []
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type().name != "CUDA":
             continue
         ns, name = ev.duration_ns(), ev.name()
         kind = next((k for k, frags in KERNEL_KINDS if any(f in name.lower() for f in frags)), "other")
-        kinds[kind] = kinds.get(kind, 0) + ns
-        top[name] = top.get(name, 0) + ns
+        out["kinds"][kind] = out["kinds"].get(kind, 0) + ns
+        out["kernels"][name] = out["kernels"].get(name, 0) + ns
         spans.append((ev.start_ns(), ev.end_ns()))
-    busy, end = 0, None
-    for s0, s1 in sorted(spans):  # union of the intervals
+    end = None
+    for s0, s1 in sorted(spans):
         if end is None or s0 > end:
-            busy, end = busy + (s1 - s0), s1
+            out["busy"], end = out["busy"] + (s1 - s0), s1
         elif s1 > end:
-            busy, end = busy + (s1 - end), s1
-    per = 1e6 * tokens  # ns → ms per token step (one prefill + tokens - 1 decode steps)
-    res = {"wall_ms_per_step": round(wall * 1000 / tokens, 3), "gpu_busy_ms_per_step": round(busy / per, 3),
-           "gpu_ms_per_step": {k: round(v / per, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-           "top_kernels_ms_per_step": {k[:120]: round(v / per, 3)
-                                        for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]}}
-    print(f"[{backend}] profile c={c}: {res['wall_ms_per_step']:.2f} ms per step, GPU busy "
+            out["busy"], end = out["busy"] + (s1 - end), s1
+    return out
+
+
+def profile_decode(batch, c: int, backend: str, steps: int = 64) -> dict:
+    """Where one decode step's time goes at concurrency c, in ms: a batch of 1 + `steps` new
+    tokens minus a batch of 1 (the prefill and the first token), divided by `steps`. GPU time
+    by kernel kind and by kernel, the GPU busy time (union of kernel intervals), and the wall
+    time; wall minus busy is time the GPU had nothing to run (host work, syncs)."""
+    batch(c, 8)
+    short, long = _profiled(batch, c, 1), _profiled(batch, c, 1 + steps)
+
+    def per_step(key, sub=None):
+        a, b = (long[key], short[key]) if sub is None else (long[key].get(sub, 0), short[key].get(sub, 0))
+        return round((a - b) / 1e6 / steps, 3)
+
+    kinds = {k: per_step("kinds", k) for k in long["kinds"]}
+    top = sorted(long["kernels"], key=lambda k: -per_step("kernels", k))[:15]
+    res = {"wall_ms_per_step": per_step("wall"), "gpu_busy_ms_per_step": per_step("busy"),
+           "gpu_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+           "top_kernels_ms_per_step": {k[:120]: per_step("kernels", k) for k in top},
+           "prefill_wall_ms": round(short["wall"] / 1e6, 3)}
+    print(f"[{backend}] decode profile c={c}: {res['wall_ms_per_step']:.2f} ms per step, GPU busy "
           f"{res['gpu_busy_ms_per_step']:.2f}: " + ", ".join(f"{k} {v:.2f}" for k, v in res["gpu_ms_per_step"].items()),
           flush=True)
     return res
@@ -221,8 +234,8 @@ def main(argv=None) -> int:
                     help="configs of vLLM's LoRA kernels: 'bundled', 'vllm' (its defaults), a folder "
                          "(see components/rollout/engine.py lora_kernel_environment) or 'stage' (what the "
                          "rollout stage uses)")
-    ap.add_argument("--profile", default="", help="comma list of concurrencies to profile one 64-token decode at "
-                                                 "(GPU time by kernel kind vs wall time per step)")
+    ap.add_argument("--profile", default="", help="comma list of concurrencies at which to profile the decode "
+                                                 "(GPU time per step by kernel kind vs wall time, prefill excluded)")
     ap.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out)
