@@ -148,6 +148,7 @@ def worker(args) -> dict:
         result["seconds"][str(c)] = round(s, 2)
         print(f"[{backend}] concurrency {c}: {n} tokens in {s:.2f}s = {n / s:,.1f} tok/s", flush=True)
     result["lora_env"] = {k: os.environ.get(k) for k in ("VLLM_LORA_ENABLE_DUAL_STREAM", "VLLM_TUNED_CONFIG_FOLDER")}
+    result["lora_kernels"] = {"configs": configs, "dual_stream": dual}
     for c in [int(c) for c in args.profile.split(",") if c]:
         result.setdefault("profile", {})[str(c)] = profile_decode(batch, c, backend)
     return result
@@ -285,7 +286,9 @@ def report(out: Path, table_path: str | None) -> None:
     table = {"measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, {lora}, "
                             f"benchmarks/rollout.py, {time.strftime('%Y-%m-%d')}",
              "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()},
-             "engine_start_s": {b: r["engine_start_s"] for b, r in results.items()}}
+             "engine_start_s": {b: r["engine_start_s"] for b, r in results.items()},
+             "lora_kernels": {b: r.get("lora_kernels", {"configs": "vllm", "dual_stream": False})
+                              for b, r in results.items()}}
     bf16 = results.get("bf16", {}).get("tokens_per_second", {})
     print("\nfastest NVFP4 backend per concurrency (steady state; the rollout stage's auto also counts "
           "engine start against the task's tokens, see components/rollout/backends.py):")
