@@ -261,6 +261,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def _lora_kernels(result: dict) -> dict:
+    """The LoRA kernel settings a result was measured with (older results: from its environment,
+    or vLLM's defaults if it predates both)."""
+    if "lora_kernels" in result:
+        return result["lora_kernels"]
+    env = result.get("lora_env") or {}
+    return {"configs": env.get("VLLM_TUNED_CONFIG_FOLDER") or "vllm",
+            "dual_stream": env.get("VLLM_LORA_ENABLE_DUAL_STREAM") == "1"}
+
+
 def report(out: Path, table_path: str | None) -> None:
     from components.rollout.backends import NVFP4_BACKENDS, choose_backend
 
@@ -287,8 +297,7 @@ def report(out: Path, table_path: str | None) -> None:
                             f"benchmarks/rollout.py, {time.strftime('%Y-%m-%d')}",
              "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()},
              "engine_start_s": {b: r["engine_start_s"] for b, r in results.items()},
-             "lora_kernels": {b: r.get("lora_kernels", {"configs": "vllm", "dual_stream": False})
-                              for b, r in results.items()}}
+             "lora_kernels": {b: _lora_kernels(r) for b, r in results.items()}}
     bf16 = results.get("bf16", {}).get("tokens_per_second", {})
     print("\nfastest NVFP4 backend per concurrency (steady state; the rollout stage's auto also counts "
           "engine start against the task's tokens, see components/rollout/backends.py):")
