@@ -1,7 +1,7 @@
 """Tune vLLM's LoRA kernels (Punica shrink / expand) for one model shape on this GPU.
 
     python benchmarks/lora_kernels.py --shape qwen2.5-7b --rank 32 --out /tmp/lora-tune [--jobs 14]
-        [--install components/rollout/lora_configs]
+        [--install components/rollout/lora_configs]   # merges: run once per shape and rank
 
 vLLM applies a LoRA to a Linear with three kernels: a memset of the float32 buffer, `shrink`
 (buffer = x · Aᵀ, split over K with atomics) and `expand` (y += buffer · Bᵀ). At decode batch
@@ -215,8 +215,18 @@ def tune(args, save=None) -> dict:
     return out
 
 
+def merge_configs(old: dict, new: dict) -> dict:
+    """`new` laid over `old`, key by key down to the configs ([max_loras][slices][m][k][n]): so
+    one folder can hold several shapes and ranks, each run replacing only what it measured."""
+    out = dict(old)
+    for key, value in new.items():
+        deeper = isinstance(value, dict) and "num_warps" not in value and isinstance(out.get(key), dict)
+        out[key] = merge_configs(out[key], value) if deeper else value
+    return out
+
+
 def write(res: dict, args) -> None:
-    """The three vLLM config files (to --out, and --install if given) and every figure."""
+    """The three vLLM config files (to --out; merged into --install's if given) and every figure."""
     out = Path(args.out)
     gpu = res["gpu"].replace(" ", "_").replace("-", "_")
     names = {f"{gpu}_SHRINK.json": res["files"]["SHRINK"], f"{gpu}_EXPAND_TRUE.json": res["files"]["EXPAND"],
@@ -224,7 +234,10 @@ def write(res: dict, args) -> None:
     for dest in [out] + ([Path(args.install)] if args.install else []):
         dest.mkdir(parents=True, exist_ok=True)
         for fname, data in names.items():
-            (dest / fname).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+            path = dest / fname
+            if dest != out and path.exists():
+                data = merge_configs(json.loads(path.read_text()), data)
+            path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     (out / "lora_kernels.json").write_text(json.dumps({k: v for k, v in res.items() if k != "files"}, indent=1) + "\n")
 
 
@@ -235,7 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                     help="parallel compile processes before timing")
     ap.add_argument("--out", default="/tmp/qerl-lora-tune", help="where the JSON files go")
-    ap.add_argument("--install", default=None, help="also copy the three vLLM config files into this folder")
+    ap.add_argument("--install", default=None, help="also merge the three vLLM config files into this folder's "
+                                                    "(e.g. components/rollout/lora_configs): other shapes and "
+                                                    "ranks already there stay")
     ap.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_worker:

@@ -63,3 +63,20 @@ def test_vllm_reads_the_bundled_configs(module, m, monkeypatch):
     finally:
         utils.load_lora_op_config.cache_clear()
         utils.get_lora_op_configs.cache_clear()
+
+
+def test_tuner_install_merges_shapes():
+    """benchmarks/lora_kernels.py --install lays a new run over the folder's files: another
+    shape's configs stay, the same keys take the new config."""
+    from benchmarks.lora_kernels import merge_configs
+
+    old = {"2": {"1": {"1": {"3584": {"32": {"num_warps": 4, "block_m": 16}}}}}}
+    new = {"2": {"1": {"1": {"5120": {"32": {"num_warps": 8, "block_m": 16}}},
+                       "16": {"3584": {"32": {"num_warps": 2, "block_m": 16}}}}}}
+    merged = merge_configs(old, new)
+    assert merged["2"]["1"]["1"] == {"3584": {"32": {"num_warps": 4, "block_m": 16}},
+                                     "5120": {"32": {"num_warps": 8, "block_m": 16}}}
+    assert merged["2"]["1"]["16"]["3584"]["32"]["num_warps"] == 2
+    replaced = merge_configs(old, {"2": {"1": {"1": {"3584": {"32": {"num_warps": 8, "block_m": 64}}}}}})
+    assert replaced["2"]["1"]["1"]["3584"]["32"] == {"num_warps": 8, "block_m": 64}
+    assert old["2"]["1"]["1"]["3584"]["32"]["num_warps"] == 4  # inputs are not modified
