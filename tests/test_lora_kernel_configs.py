@@ -80,3 +80,14 @@ def test_tuner_install_merges_shapes():
     replaced = merge_configs(old, {"2": {"1": {"1": {"3584": {"32": {"num_warps": 8, "block_m": 64}}}}}})
     assert replaced["2"]["1"]["1"]["3584"]["32"] == {"num_warps": 8, "block_m": 64}
     assert old["2"]["1"]["1"]["3584"]["32"]["num_warps"] == 4  # inputs are not modified
+
+
+def test_log_says_whether_this_gpu_has_tuned_configs():
+    from components.rollout.engine import describe_lora_kernels
+
+    env = lora_kernel_environment("bundled", dual_stream=False)
+    gpu = _bundled_gpus()[0].replace("_", " ")
+    assert describe_lora_kernels(env, gpu) == f"tuned configs from {LORA_KERNEL_CONFIGS.resolve()}, dual stream off"
+    other = describe_lora_kernels(env, "NVIDIA A100-SXM4-80GB")
+    assert other.startswith("vLLM's default configs (no NVIDIA_A100_SXM4_80GB_*.json")
+    assert describe_lora_kernels(lora_kernel_environment("vllm", True), gpu) == "vLLM's default configs, dual stream on"

@@ -84,6 +84,20 @@ def lora_kernel_environment(configs: str, dual_stream: bool) -> dict[str, str]:
     return env
 
 
+def describe_lora_kernels(env, gpu_name: str) -> str:
+    """What vLLM will run its LoRA kernels with, for the log: tuned configs only if the folder
+    has this GPU's files (vLLM names them after torch.cuda.get_device_name())."""
+    folder = env.get("VLLM_TUNED_CONFIG_FOLDER")
+    gpu = gpu_name.replace(" ", "_").replace("-", "_")
+    if not folder:
+        configs = "vLLM's default configs"
+    elif (Path(folder) / f"{gpu}_SHRINK.json").is_file():
+        configs = f"tuned configs from {folder}"
+    else:
+        configs = f"vLLM's default configs (no {gpu}_*.json in {folder})"
+    return f"{configs}, dual stream {'on' if env.get('VLLM_LORA_ENABLE_DUAL_STREAM') == '1' else 'off'}"
+
+
 def _prepare_environment(cpu: bool, kv_cache_gb: float) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -152,8 +166,7 @@ class RolloutEngine:
             if enable_lora:
                 os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
                 os.environ.update(lora_kernel_environment(cfg.lora_kernel_configs, cfg.lora_dual_stream))
-                log.info("vLLM LoRA kernels: %s configs, dual stream %s", cfg.lora_kernel_configs,
-                         "on" if cfg.lora_dual_stream else "off")
+                log.info("vLLM LoRA kernels: %s", describe_lora_kernels(os.environ, torch.cuda.get_device_name()))
         from kernels.vllm_nvfp4_dequant import register
 
         register()  # also loaded as a vLLM plugin when the project is installed; idempotent
