@@ -187,7 +187,8 @@ def main(cfg: RolloutConfig) -> None:
                "truncation_rate": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
                "aqn_sigma": cfg.aqn_sigma, "aqn_seed": aqn_seed, "aqn_modules": norms,
                "adapter": cfg.adapter, "adapter_digest": adapter.digest if adapter else "",
-               "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "lora_slot_rank": slot, "device": "cpu" if engine.cpu else "cuda",
+               "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "lora_slot_rank": slot,
+               "lora_kernels": engine.lora_kernels, "device": "cpu" if engine.cpu else "cuda",
                "linear_kernels": kernels, "nvfp4_backend": backend, "nvfp4_backend_reason": why,
                "concurrency": min(cfg.max_num_seqs, len(rows))}
     with Staging() as st:

@@ -158,6 +158,7 @@ class RolloutEngine:
         self.cpu = not torch.cuda.is_available()
         _prepare_environment(self.cpu, cfg.kv_cache_gb)
         extra = {}
+        self.lora_kernels = ""  # GPU with LoRA: which configs vLLM's LoRA kernels run with
         if not self.cpu:
             from components.rollout.backends import engine_settings
 
@@ -166,7 +167,8 @@ class RolloutEngine:
             if enable_lora:
                 os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
                 os.environ.update(lora_kernel_environment(cfg.lora_kernel_configs, cfg.lora_dual_stream))
-                log.info("vLLM LoRA kernels: %s", describe_lora_kernels(os.environ, torch.cuda.get_device_name()))
+                self.lora_kernels = describe_lora_kernels(os.environ, torch.cuda.get_device_name())
+                log.info("vLLM LoRA kernels: %s", self.lora_kernels)
         from kernels.vllm_nvfp4_dequant import register
 
         register()  # also loaded as a vLLM plugin when the project is installed; idempotent
