@@ -79,7 +79,7 @@ def worker(args) -> dict:
     import torch
 
     from components.rollout.backends import engine_settings
-    from components.rollout.engine import EngineConfig, _prepare_environment, lora_kernel_environment
+    from components.rollout.engine import EngineConfig, _prepare_environment, set_lora_kernel_environment
 
     root = Path(args.out)
     backend = args.worker
@@ -89,8 +89,7 @@ def worker(args) -> dict:
     stage = EngineConfig()
     configs = stage.lora_kernel_configs if args.lora_kernel_configs == "stage" else args.lora_kernel_configs
     dual = stage.lora_dual_stream if args.lora_dual_stream == "stage" else args.lora_dual_stream == "on"
-    os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
-    os.environ.update(lora_kernel_environment(configs, dual))  # as RolloutEngine does
+    print(f"[{backend}] LoRA kernels: {set_lora_kernel_environment(configs, dual)}", flush=True)  # as the stage
     from kernels.vllm_nvfp4_dequant import register
 
     register()

@@ -84,6 +84,16 @@ def lora_kernel_environment(configs: str, dual_stream: bool) -> dict[str, str]:
     return env
 
 
+def set_lora_kernel_environment(configs: str, dual_stream: bool) -> str:
+    """Put `lora_kernel_environment` into os.environ (before vLLM is imported: the dual stream is
+    read at import) and say what vLLM will run with, for the log and the shard's metrics."""
+    import torch
+
+    os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
+    os.environ.update(lora_kernel_environment(configs, dual_stream))
+    return describe_lora_kernels(os.environ, torch.cuda.get_device_name())
+
+
 def describe_lora_kernels(env, gpu_name: str) -> str:
     """What vLLM will run its LoRA kernels with, for the log: tuned configs only if the folder
     has this GPU's files (vLLM names them after torch.cuda.get_device_name())."""
@@ -165,9 +175,7 @@ class RolloutEngine:
             extra, env = engine_settings(cfg.nvfp4_backend)
             os.environ.update(env)
             if enable_lora:
-                os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
-                os.environ.update(lora_kernel_environment(cfg.lora_kernel_configs, cfg.lora_dual_stream))
-                self.lora_kernels = describe_lora_kernels(os.environ, torch.cuda.get_device_name())
+                self.lora_kernels = set_lora_kernel_environment(cfg.lora_kernel_configs, cfg.lora_dual_stream)
                 log.info("vLLM LoRA kernels: %s", self.lora_kernels)
         from kernels.vllm_nvfp4_dequant import register
 
