@@ -2,6 +2,7 @@
 
     python benchmarks/nvfp4_gemm_ptx.py --config '{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"SPLIT_K":4,"num_warps":4,"num_stages":4}'
     python benchmarks/nvfp4_gemm_ptx.py --dx --config '...' --out /tmp/k    # also keep TTGIR / PTX
+    python benchmarks/nvfp4_gemm_ptx.py --config '{"GEMV":true,"BLOCK_N":64,"BLOCK_K":128,"num_warps":8}'
 
 Per config it prints registers, spill bytes, shared memory, the wgmma count and the mix of
 memory instructions in the PTX (byte vs vector shared-memory loads, cp.async, shuffles,
@@ -40,16 +41,24 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     from kernels.nvfp4 import gemm
 
     cfg = dict(cfg)
-    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1 if cfg.get("GEMV") else 3)
     cfg.pop("SPLIT_K", None)  # a runtime argument
     bk = cfg["BLOCK_K"]
-    consts = {"TRANS_W": trans_w, "HAS_BIAS": False, "GROUP_M": 8, "EVEN_K": True, "GPU_MATH": True,
-              "PERMUTE_K": cfg.pop("PERMUTE_K", True) and gemm._permute_k(trans_w, bk, bk), "stride_ak": 1, **cfg}
-    names = gemm._w4a16_kernel.arg_names  # the signature must follow the kernel's argument order
+    if cfg.pop("GEMV", False):  # the CUDA-core forward for one input row
+        fn = gemm._w4a16_gemv_kernel
+        consts = {"HAS_BIAS": False, "GPU_MATH": True, "stride_ak": 1, **cfg}
+    else:
+        fn = gemm._w4a16_kernel
+        consts = {"TRANS_W": trans_w, "HAS_BIAS": False, "GROUP_M": 8, "EVEN_K": True, "GPU_MATH": True,
+                  "PERMUTE_K": cfg.pop("PERMUTE_K", True) and gemm._permute_k(trans_w, bk, bk), "stride_ak": 1,
+                  **cfg}
+    # constexpr parameters with a default (A_PREPERM, EVICT_W, G_PER_ROW) take it unless given
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+    names = fn.arg_names  # the signature must follow the kernel's argument order
     sig = {n: PTRS.get(n, "constexpr" if n in consts else "i32") for n in names}
-    div16 = [*PTRS, *(n for n in INTS if n not in ("M", "SPLIT_K", "M_BUCKET"))]
+    div16 = [n for n in (*PTRS, *INTS) if n in names and n not in ("M", "SPLIT_K", "M_BUCKET")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(fn=gemm._w4a16_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = k.asm["ptx"]
     # the newest ptxas triton ships: an older one may not know the PTX version triton emits
@@ -71,6 +80,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, info)) else None  # noqa: E731
     return {"registers": num(r"Used (\d+) registers"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
             "shared_bytes": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+            "fma_f32": ptx.count("fma.rn.f32"),
             "memory_instructions": dict(sorted(collections.Counter(re.findall(MEM, ptx)).items()))}
 
 
@@ -80,7 +90,8 @@ def main() -> int:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--config", type=json.loads, action="append", required=True,
                     help="kernel config as JSON (BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages, "
-                         "optional PERMUTE_K); repeat for several")
+                         "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K); "
+                         "repeat for several")
     ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
     ap.add_argument("--out", type=Path, help="also write each config's TTGIR and PTX here")
     args = ap.parse_args()

@@ -33,6 +33,11 @@ bytes [rows, groups, 8] (so the block scale [rows, groups] broadcasts over a gro
 decoded into the low- and high-nibble weights, joined and reshaped to [rows, groups·16] (the
 pair of a join sits in one thread).
 
+One input row (M = 1, decoding one sequence) can also run on CUDA cores,
+`_w4a16_gemv_kernel`, selected only by a forced config (`_config={"GEMV": True, ...}`) until
+it is measured on a GPU (NOTES.md, sixth session). The forward takes either one global
+scale or one per W row (vLLM fuses q/k/v and gate/up, whose shards keep their own).
+
 Small M (decode-like) uses split-K: each split stores its float32 partial tile into a
 workspace, bumps a per-tile counter, and the last split to arrive sums the partials in split
 order (deterministic), applies g/bias, writes bf16 and resets the counter to 0 (so the
@@ -166,6 +171,9 @@ def _w4a16_kernel(
     SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     GPU_MATH: tl.constexpr,
     PERMUTE_K: tl.constexpr,  # forward only, EVEN_K, BLOCK_K % 64 == 0: see _decode_tile_kperm
+    A_PREPERM: tl.constexpr = False,  # PERMUTE_K: the input arrives in order p (`_permute_input`)
+    EVICT_W: tl.constexpr = False,  # weight loads marked evict_first (read once)
+    G_PER_ROW: tl.constexpr = False,  # forward: one global scale per W row (vLLM's fused shards)
 ):
     # ---- tile of the output (grouped order: GROUP_M row-tiles share a column-tile in L2)
     pid = tl.program_id(0)
@@ -245,10 +253,15 @@ def _w4a16_kernel(
         else:
             wmask = row_ok[:, None]
             if PERMUTE_K:  # EVEN_K
-                b = tl.load(p_ptrs, mask=wmask, other=0)
-                sc = tl.load(s_ptrs, mask=wmask, other=0)
+                if EVICT_W:
+                    b = tl.load(p_ptrs, mask=wmask, other=0, eviction_policy="evict_first")
+                    sc = tl.load(s_ptrs, mask=wmask, other=0, eviction_policy="evict_first")
+                else:
+                    b = tl.load(p_ptrs, mask=wmask, other=0)
+                    sc = tl.load(s_ptrs, mask=wmask, other=0)
                 w = _decode_tile_kperm(b, sc, BLOCK_N, GW, GPU_MATH)  # [BN, BK], order p
-                a = _kperm(a, BLOCK_M, GW)
+                if not A_PREPERM:
+                    a = _kperm(a, BLOCK_M, GW)
             else:
                 if not EVEN_K:
                     g_ok = (kt * GW + tl.arange(0, GW)) < CG
@@ -271,7 +284,10 @@ def _w4a16_kernel(
     n_ok = rn < N_OUT
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_offs = rm.to(tl.int64)[:, None] * N_OUT + rn[None, :]
-    g = tl.load(g_ptr)
+    if G_PER_ROW:  # forward only: output column = W row
+        g = tl.load(g_ptr + rn, mask=n_ok, other=1.0)[None, :]
+    else:
+        g = tl.load(g_ptr)
     if SPLIT_K == 1:
         out = tl.div_rn(acc, g)
         if HAS_BIAS:
@@ -291,6 +307,78 @@ def _w4a16_kernel(
                 out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(c_ptr + out_offs, _round_bf16(out).to(tl.bfloat16), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next launch
+
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
+    N_OUT, RED, stride_ak, stride_w, stride_s, SPLIT_K,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GPU_MATH: tl.constexpr,
+    G_PER_ROW: tl.constexpr = False,
+):
+    """The forward for one input row (M = 1: decoding one sequence) on CUDA cores.
+
+    No tensor cores and no shared memory for the weight: each program streams a
+    [BLOCK_N, BLOCK_K] weight tile per step straight into registers, decodes it
+    (`_decode_tile`), multiplies by the input and sums each block of 16 products inside its
+    thread into a float32 [BLOCK_N, BLOCK_K/16] accumulator, summed once after the loop.
+    Bandwidth comes from occupancy (small programs, few registers) rather than a deep
+    pipeline. RED % BLOCK_K == 0 (the launcher checks). Split-K as in `_w4a16_kernel`
+    (deterministic last-arriver reduction). Configs with 8 or 16 warps and BLOCK_K = 128
+    compile to a loop without shuffles (`benchmarks/nvfp4_gemm_ptx.py`, NOTES.md)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_tiles = RED // BLOCK_K
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    G: tl.constexpr = BLOCK_K // 16
+
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N_OUT
+    rows = rn.to(tl.int64)
+    grp = kt0 * G + tl.arange(0, G)
+    p_ptrs = packed_ptr + rows[:, None, None] * stride_w + (grp[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]
+    s_ptrs = scale_ptr + rows[:, None] * stride_s + grp[None, :]
+    a_ptrs = a_ptr + (kt0 * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)[None, :] * stride_ak
+
+    acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    for _ in range(kt0, kt1):
+        b = tl.load(p_ptrs, mask=n_ok[:, None, None], other=0, eviction_policy="evict_first")
+        sc = tl.load(s_ptrs, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
+        w = _decode_tile(b, sc, BLOCK_N, G, GPU_MATH).to(tl.float32)  # [BN, BK], exact
+        a = tl.load(a_ptrs).to(tl.float32)  # [1, BK]
+        acc += tl.sum(tl.reshape(w * a, (BLOCK_N, G, 16)), axis=2)
+        p_ptrs += BLOCK_K // 2
+        s_ptrs += G
+        a_ptrs += BLOCK_K * stride_ak
+    acc = tl.sum(acc, axis=1)  # [BLOCK_N]
+
+    if GPU_MATH:
+        acc = acc * _SCALE_BIAS_C
+    if G_PER_ROW:
+        g = tl.load(g_ptr + rn, mask=n_ok, other=1.0)
+    else:
+        g = tl.load(g_ptr)
+    if SPLIT_K == 1:
+        out = tl.div_rn(acc, g)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(c_ptr + rn, _round_bf16(out).to(tl.bfloat16), mask=n_ok)
+    else:
+        tl.store(ws_ptr + pid_k * N_OUT + rn, acc, mask=n_ok)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(ws_ptr + s * N_OUT + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+            out = tl.div_rn(total, g)
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(c_ptr + rn, _round_bf16(out).to(tl.bfloat16), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 try:
@@ -444,9 +532,11 @@ def _check(name, a, weight_packed, weight_scale, weight_global_scale, a_dim_is_k
     if tuple(weight_scale.shape) != (n, k // BLOCK):
         raise ValueError(f"{name}: weight_scale shape {tuple(weight_scale.shape)} does not fit "
                          f"weight_packed {tuple(weight_packed.shape)} (expected {(n, k // BLOCK)})")
-    if (not isinstance(weight_global_scale, torch.Tensor) or weight_global_scale.numel() != 1
-            or weight_global_scale.dtype != torch.float32):
-        raise ValueError(f"{name}: weight_global_scale must be a float32 tensor of one number")
+    rows_ok = a_dim_is_k and weight_global_scale.numel() == n  # forward: one per W row
+    if (not isinstance(weight_global_scale, torch.Tensor) or weight_global_scale.dtype != torch.float32
+            or not (weight_global_scale.numel() == 1 or rows_ok)):
+        raise ValueError(f"{name}: weight_global_scale must be a float32 tensor of one number"
+                         + (f" or of one per output row ({n})" if a_dim_is_k else ""))
     want = k if a_dim_is_k else n
     if a.shape[-1] != want:
         raise ValueError(f"{name}: input last dim {a.shape[-1]} != {want} for a weight of "
@@ -456,6 +546,32 @@ def _check(name, a, weight_packed, weight_scale, weight_global_scale, a_dim_is_k
         if t.device != dev:
             raise ValueError(f"{name}: tensors on different devices ({dev} vs {t.device})")
     return n, k
+
+
+def _permute_input(a2: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [M, K] with each BLOCK_K chunk's columns in the forward's reduction order p
+    (`_kperm`: column k = 4G·l + 4g + 2j + h goes to p = 16g + 8j + 2l + h), contiguous."""
+    m, k = a2.shape
+    g = block_k // 16
+    return a2.reshape(m, k // block_k, 4, g, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k).contiguous()
+
+
+def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool, cfg: dict) -> None:
+    """Launch `_w4a16_gemv_kernel` (keys GEMV, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
+    M, red = a2.shape
+    n_out = out.shape[1]
+    bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("SPLIT_K", 1)
+    if trans_w or red % bk or M != 1:
+        raise ValueError(f"the GEMV kernel is the forward for one input row with K % BLOCK_K == 0 "
+                         f"(got dX={trans_w}, M={M}, K={red}, BLOCK_K={bk})")
+    tiles = triton.cdiv(n_out, bn)
+    ws = torch.empty(split * n_out, dtype=torch.float32, device=a2.device) if split > 1 else out
+    _w4a16_gemv_kernel[(tiles, split)](
+        a2, packed, scale, g, bias_arg, out, ws, _counters(a2.device, tiles),
+        n_out, red, a2.stride(1), packed.stride(0), scale.stride(0), split,
+        HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, GPU_MATH=not INTERPRET, G_PER_ROW=g.numel() > 1,
+        num_warps=cfg.get("num_warps", 8), num_stages=cfg.get("num_stages", 1),
+    )
 
 
 def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias, trans_w: bool,
@@ -475,15 +591,22 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
         return out.reshape(*lead, n_out)
     packed = weight_packed.contiguous()
     scale = weight_scale.contiguous().view(torch.uint8)
-    g = weight_global_scale.reshape(1).contiguous()
+    g = weight_global_scale.reshape(-1).contiguous()  # [1], or [N] in the forward (G_PER_ROW)
     has_bias = bias is not None
     bias_arg = bias.contiguous() if has_bias else g
     m_bucket = max(16, triton.next_power_of_2(M))
-    common = dict(TRANS_W=trans_w, HAS_BIAS=has_bias, GROUP_M=8, GPU_MATH=not INTERPRET)
+    common = dict(TRANS_W=trans_w, HAS_BIAS=has_bias, GROUP_M=8, GPU_MATH=not INTERPRET,
+                  G_PER_ROW=g.numel() > 1)
 
-    if config is not None or INTERPRET:
+    if config is not None and config.get("GEMV"):
+        _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias, trans_w, dict(config))
+    elif config is not None or INTERPRET:
         cfg = dict(INTERPRET_CONFIG if config is None else config)
         split = cfg.pop("SPLIT_K")
+        if cfg.get("A_PREPERM"):
+            if not _permute_k(trans_w, red, cfg["BLOCK_K"]):
+                raise ValueError("A_PREPERM needs the K-permuted forward (BLOCK_K % 64 == 0, K % BLOCK_K == 0)")
+            a2 = _permute_input(a2, cfg["BLOCK_K"])
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         tiles = triton.cdiv(M, bm) * triton.cdiv(n_out, bn)
         ws = (torch.empty(split * M * n_out, dtype=torch.float32, device=a.device)
@@ -525,8 +648,12 @@ def linear_w4a16(
 ) -> torch.Tensor:
     """y [.., N] bf16 = x [.., K] bf16 @ Wᵀ (+ bias), W the NVFP4 weight [N, K].
 
+    `weight_global_scale`: float32 [1], or [N] for one divisor per W row (fused shards).
     `_config` (tests/benchmarks) forces one kernel config instead of autotuning:
-    keys BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SPLIT_K, num_warps, num_stages."""
+    keys BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SPLIT_K, num_warps, num_stages, and optionally
+    A_PREPERM (the input permuted by a separate torch op before the kernel), EVICT_W
+    (evict_first weight loads); or GEMV=True with BLOCK_N, BLOCK_K, SPLIT_K, num_warps for
+    the CUDA-core kernel (M = 1, K % BLOCK_K == 0)."""
     n, _ = _check("linear_w4a16", x, weight_packed, weight_scale, weight_global_scale, True)
     if bias is not None:
         if bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32) \

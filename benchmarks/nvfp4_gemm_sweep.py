@@ -1,0 +1,183 @@
+"""Sweep forced kernel configs of the NVFP4 forward GEMM at small M on a GPU (no autotuning).
+
+For each shape, M and config of a grid it checks the output against the plain-torch
+reference and times the call with CUDA graphs (`do_bench_cudagraph`, median), rotating among
+weight sets larger than L2 so every call reads its weight from HBM. cuBLAS bf16 on the same
+shape is the yardstick. The grid is compiled first by `--jobs` processes in parallel (a
+config takes 2-15 s to compile, serially).
+
+Grids (`--grid`, several allowed):
+  gemv     the CUDA-core kernel for one input row (`_w4a16_gemv_kernel`) at M = 1, the
+           configs that compile to a loop without shuffles (BLOCK_K 128 with 8/16 warps,
+           BLOCK_K 256 with 16 warps) × BLOCK_N 16-256 × split 1/2/4/8
+  tc-m1    the tensor-core kernel at M = 1 (what M = 1 runs on without the GEMV)
+  tc-m16   the tensor-core kernel at M = 16: BLOCK_N, BLOCK_K, split, stages, the input
+           permuted outside the kernel (A_PREPERM; timed with and without that permute) and
+           evict_first weight loads (EVICT_W)
+
+Shapes (`--shapes`): vllm-7b (default: Qwen2.5-7B as vLLM runs it, merged qkv and gate_up),
+learner-7b (the separate projections), or NxK entries.
+
+    python benchmarks/nvfp4_gemm_sweep.py --grid gemv tc-m1 tc-m16 --out sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "vllm-7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
+    "learner-7b": [("q/o", 3584, 3584), ("k/v", 512, 3584), ("gate/up", 18944, 3584), ("down", 3584, 18944)],
+}
+
+
+def grid(name: str) -> list[tuple[int, dict]]:
+    """(M, forced config) pairs of one named grid."""
+    out = []
+    if name == "gemv":
+        for (bk, warps), bn, split in itertools.product(((128, 8), (128, 16), (256, 16)), (16, 32, 64, 128, 256),
+                                                        (1, 2, 4, 8)):
+            out.append((1, dict(GEMV=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)))
+    elif name == "tc-m1":
+        for bn, split in itertools.product((64, 128), (1, 2, 4)):
+            out.append((1, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, SWAP_AB=True, SPLIT_K=split, num_warps=4,
+                                num_stages=4)))
+    elif name == "tc-m16":
+        for bn, bk, split, stages, pre, evict in itertools.product((64, 128), (128, 256), (1, 2, 4), (2, 4),
+                                                                   (False, True), (False, True)):
+            out.append((16, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=4,
+                                 num_stages=stages, A_PREPERM=pre, EVICT_W=evict)))
+    else:
+        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16")
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--grid", nargs="+", default=["gemv", "tc-m1"], help="named config grids (default: gemv tc-m1)")
+    p.add_argument("--shapes", default="vllm-7b", help="vllm-7b, learner-7b, or comma-separated NxK")
+    p.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+                   help="parallel compile processes (default: CPUs - 2, at most 14)")
+    p.add_argument("--rep", type=int, default=25, help="do_bench_cudagraph rep ms per config")
+    p.add_argument("--bandwidth", type=float, default=4.245e12,
+                   help="copy bandwidth in B/s that %% of bandwidth refers to (H200: 4.245e12, measured)")
+    p.add_argument("--out", type=Path, default=None, help="write every row as JSON here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # i/n: compile a share, then exit
+    return p.parse_args(argv)
+
+
+def shapes_of(spec: str):
+    if spec in SHAPES:
+        return SHAPES[spec]
+    return [(s, *map(int, s.split("x"))) for s in spec.split(",")]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    from kernels.nvfp4 import gemm, global_scale, quantize
+
+    if not torch.cuda.is_available():
+        print("nvfp4_gemm_sweep: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    cases = [c for g in args.grid for c in grid(g)]
+    shapes = shapes_of(args.shapes)
+
+    if args.worker is not None:  # compile this share of the grid (one call per distinct K)
+        i, n = (int(v) for v in args.worker.split("/"))
+        for _, N, K in {K: (s, N, K) for s, N, K in shapes}.values():
+            w = (torch.randn(N, K, device=dev) * 0.02).bfloat16()
+            q = quantize(w, global_scale(w))
+            for M, cfg in cases[i::n]:
+                try:
+                    gemm.linear_w4a16(torch.randn(M, K, device=dev).bfloat16(), *q, _config=dict(cfg))
+                except Exception as e:  # reported again, with the config, by the timing pass
+                    print(f"compile failed {cfg}: {str(e)[:200]}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return 0
+
+    t0 = time.time()
+    procs = [subprocess.Popen([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                               "--worker", f"{i}/{args.jobs}"]) for i in range(args.jobs)]
+    for p in procs:
+        p.wait()
+    print(f"compiled {len(cases)} configs with {args.jobs} processes in {time.time() - t0:.0f} s", flush=True)
+
+    real_permute = gemm._permute_input
+    rows = []
+    for name, N, K in shapes:
+        set_bytes = N * K * 9 // 16
+        n_sets = max(2, -(-160 * 2**20 // set_bytes))  # > 3 × the H200's 50 MB L2
+        base = (torch.randn(N, K, device=dev) * 0.02).bfloat16()
+        qs = [quantize(base.roll(i, dims=1), global_scale(base)) for i in range(n_sets)]
+        bf = [base.roll(i, dims=1) for i in range(max(2, -(-160 * 2**20 // (2 * N * K))))]
+        for M in sorted({m for m, _ in cases}):
+            xs = [torch.randn(M, K, device=dev).bfloat16() for _ in qs]
+            t = do_bench_cudagraph(lambda: [torch.matmul(xs[0], w.t()) for w in bf], rep=args.rep,
+                                   return_mode="median") / len(bf)
+            moved = 2 * N * K + 2 * M * (N + K)
+            rows.append(dict(shape=name, N=N, K=K, M=M, kernel="cublas_bf16", us=round(t * 1e3, 2),
+                             pct_bw=round(100 * moved / (t * 1e-3) / args.bandwidth, 1)))
+            print(json.dumps(rows[-1]), flush=True)
+            want = gemm.reference_linear(xs[0], *qs[0]).float()
+            moved = N * K * 9 // 16 + 2 * M * (N + K)
+            for m, cfg in cases:
+                if m != M:
+                    continue
+                for kernel_only in ((False, True) if cfg.get("A_PREPERM") else (False,)):
+                    row = dict(shape=name, N=N, K=K, M=M, kernel="nvfp4", kernel_only=kernel_only, **cfg)
+                    try:
+                        use = xs
+                        if kernel_only:  # the input permuted beforehand: the kernel alone
+                            use = [real_permute(x, cfg["BLOCK_K"]) for x in xs]
+                            gemm._permute_input = lambda a2, bk: a2
+                        got = gemm.linear_w4a16(use[0], *qs[0], _config=dict(cfg)).float()
+                        err = float((got - want).norm() / want.norm())
+
+                        def run_all(use=use, cfg=cfg):
+                            for x, q in zip(use, qs):
+                                gemm.linear_w4a16(x, *q, _config=dict(cfg))
+                        t = do_bench_cudagraph(run_all, rep=args.rep, return_mode="median") / len(qs)
+                        row.update(us=round(t * 1e3, 2), pct_bw=round(100 * moved / (t * 1e-3) / args.bandwidth, 1),
+                                   rel_err=round(err, 5))
+                    except Exception as e:
+                        row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+                    finally:
+                        gemm._permute_input = real_permute
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        qs = bf = base = xs = None  # free this shape's weights before the next one
+        torch.cuda.empty_cache()
+
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s. Best correct configs (rel. error < 1e-2):")
+    for name, N, K in shapes:
+        for M in sorted({m for m, _ in cases}):
+            cb = next(r for r in rows if r["shape"] == name and r["M"] == M and r["kernel"] == "cublas_bf16")
+            ok = sorted((r for r in rows if r["shape"] == name and r["M"] == M and r["kernel"] == "nvfp4"
+                         and r.get("rel_err", 1) < 1e-2), key=lambda r: r["us"])
+            print(f"{name} {N}x{K} M={M}: cuBLAS bf16 {cb['us']} us ({cb['pct_bw']} % of BW)")
+            for r in ok[:4]:
+                cfg = {k: v for k, v in r.items() if k not in ("shape", "N", "K", "M", "kernel", "us", "pct_bw", "rel_err")}
+                print(f"   {r['us']:8.2f} us  {r['pct_bw']:5.1f} % of BW  {json.dumps(cfg)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
