@@ -13,7 +13,8 @@ the rollout stage's `auto` would choose from these figures; `--write-table` save
 stage's measured table (components/rollout/backend_throughput.json).
 
 Backends: bf16 (unquantized config), marlin / humming (vLLM's W4A16 kernels), dequant (the
-project's dequantize-once kernel: bf16 GEMMs over the NVFP4 model's dequantized weights).
+project's dequantize-once kernel: bf16 GEMMs over the NVFP4 model's dequantized weights), fused
+(the project's Triton W4A16 GEMMs on the packed weights, kernels/nvfp4/serving.py).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.quantize_stage import SHAPES, qwen2_config  # noqa: E402
 
-BACKENDS = ("bf16", "marlin", "humming", "dequant")
+BACKENDS = ("bf16", "marlin", "humming", "dequant", "fused")
 
 
 def model_dir(root: Path, shape: str, quantized: bool) -> Path:

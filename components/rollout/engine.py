@@ -52,7 +52,7 @@ class EngineConfig:
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     max_num_seqs: int = 256
     seed: int = 0
-    nvfp4_backend: str = "marlin"      # GPU only: marlin, humming or dequant (see backends.py)
+    nvfp4_backend: str = "marlin"      # GPU only: marlin, humming, dequant or fused (see backends.py)
     lora_kernel_configs: str = "bundled"  # GPU only: see lora_kernel_environment
     lora_dual_stream: bool = False     # GPU only: see lora_kernel_environment
 
@@ -212,7 +212,7 @@ class RolloutEngine:
     def linear_kernels(self) -> list[str]:
         """Class names of the kernels behind the model's quantized Linear layers (e.g.
         MarlinNvFp4LinearKernel on a GPU, QeRLDequantNvFp4LinearKernel on a CPU or with the
-        dequant backend)."""
+        dequant backend, QeRLFusedNvFp4LinearKernel with the fused backend)."""
         def names(model):
             found = set()
             for m in model.modules():

@@ -163,15 +163,21 @@ def _nvfp4_dequantize_kernel(
 
 
 @triton.jit
-def _nvfp4_dequantize_bf16_kernel(packed_ptr, scale_ptr, g_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
+def _nvfp4_dequantize_bf16_kernel(packed_ptr, scale_ptr, g_ptr, out_ptr, n_bytes, row_bytes,
+                                  BLOCK: tl.constexpr, G_PER_ROW: tl.constexpr = False):
     """bf16 Ŵ over the flat packed bytes: byte i holds inputs 2i, 2i+1 and its block scale is
     scale[i // 8] (a row of K/2 bytes is K/16 whole blocks), so every load and store is
-    contiguous. Each byte becomes one 32-bit word, the low nibble's bf16 in the low half."""
+    contiguous. Each byte becomes one 32-bit word, the low nibble's bf16 in the low half.
+    G_PER_ROW: one global scale per row (row i // row_bytes), for vLLM's fused shards."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_bytes
     byte = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
     s_code = tl.load(scale_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
-    s_eff = tl.div_rn(_e4m3_decode(s_code), tl.load(g_ptr))
+    if G_PER_ROW:
+        g = tl.load(g_ptr + offs // row_bytes, mask=mask, other=1.0)
+    else:
+        g = tl.load(g_ptr)
+    s_eff = tl.div_rn(_e4m3_decode(s_code), g)
     lo = _round_bf16(_e2m1_decode(byte & 15) * s_eff).to(tl.int32, bitcast=True)
     hi = _round_bf16(_e2m1_decode(byte >> 4) * s_eff).to(tl.int32, bitcast=True)
     tl.store(out_ptr + offs, ((lo >> 16) & 0xFFFF) | (hi & -65536), mask=mask)
@@ -218,7 +224,8 @@ def dequantize(
     weight_global_scale: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Triton twin of `reference.dequantize`."""
+    """Triton twin of `reference.dequantize`. For a bf16 result `weight_global_scale` may also
+    hold one divisor per row (vLLM's fused q/k/v, gate/up shards keep their own)."""
     if dtype not in _DTYPE_KIND:
         raise ValueError(f"dequantize: dtype must be bf16/fp16/fp32, got {dtype}")
     if weight_packed.dtype != torch.uint8 or weight_packed.ndim != 2:
@@ -234,7 +241,11 @@ def dequantize(
             f"{tuple(weight_packed.shape)} (expected {(m, k // BLOCK)})"
         )
     dev = weight_packed.device
-    if isinstance(weight_global_scale, torch.Tensor) and weight_global_scale.is_cuda:
+    per_row = (dtype == torch.bfloat16 and m > 1 and isinstance(weight_global_scale, torch.Tensor)
+               and weight_global_scale.numel() == m)
+    if per_row:  # not read back here (a sync per call); the caller checked the values at load
+        g = weight_global_scale.detach().to(device=dev, dtype=torch.float32).reshape(m).contiguous()
+    elif isinstance(weight_global_scale, torch.Tensor) and weight_global_scale.is_cuda:
         # Hot path (the learner dequantizes every layer on every call): checking the value
         # here would read it back to the host, a GPU sync per call that was measured to make
         # a 3584x3584 dequantize take 0.21 ms instead of tens of us. The value is checked
@@ -251,7 +262,8 @@ def dequantize(
     if m and k and dtype == torch.bfloat16:
         n = packed.numel()
         _nvfp4_dequantize_bf16_kernel[(triton.cdiv(n, _BF16_BLOCK),)](
-            packed, scale, g, out.view(torch.int32), n, BLOCK=_BF16_BLOCK, num_warps=_BF16_WARPS)
+            packed, scale, g, out.view(torch.int32), n, half, BLOCK=_BF16_BLOCK, G_PER_ROW=per_row,
+            num_warps=_BF16_WARPS)
     elif m and k:
         _nvfp4_dequantize_kernel[_grid(m, k)](
             packed, scale, g, out, m, k, KIND=_DTYPE_KIND[dtype], BLOCK_M=_BLOCK_M, BLOCK_G=_BLOCK_G,
