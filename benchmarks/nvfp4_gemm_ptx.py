@@ -7,7 +7,9 @@
 Per config it prints registers, spill bytes, shared memory, the wgmma count and the mix of
 memory instructions in the PTX (byte vs vector shared-memory loads, cp.async, shuffles,
 barriers): the figures that explained the forward's byte loads (kernels/nvfp4/NOTES.md,
-fourth session). Integer arguments are marked divisible by 16 and stride_ak == 1, as triton
+fourth session). Also the SASS instruction count of the main K loop and its opcode mix
+(`cuobjdump -sass` of triton's cubin): divided by the weights a thread handles per step it
+is the issue cost per weight (NOTES.md, sixth session). Integer arguments are marked divisible by 16 and stride_ak == 1, as triton
 specializes them for real shapes. Use the triton version of the GPU image (3.6 on the H200
 machine, e.g. `pip install --target /tmp/t36 triton==3.6.0` and PYTHONPATH=/tmp/t36): layouts
 and pipelining differ between versions. Uses triton's compiler API (ASTSource, GPUTarget),
@@ -33,6 +35,27 @@ PTRS = {"a_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp
 MEM = r"(?:ld|st)\.shared[.a-z0-9]*|ld\.global[.a-z0-9]*|cp\.async\.c[ag][.a-z0-9]*|bar\.sync|shfl[.a-z0-9]*"
 
 
+def sass_main_loop(cubin: bytes, tools: Path) -> dict:
+    """Instructions in the SASS of the kernel's main loop (the backward branch whose body
+    issues the most global loads), and their mix by opcode: a static stand-in for issue cost."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]+);", sass)]
+    loops = [(int(m.group(1), 16), pc) for pc, txt in ins
+             if (m := re.search(r"BRA\s+(?:`\(.*?\))?\s*0x([0-9a-f]+)", txt)) and int(m.group(1), 16) < pc]
+    if not loops:
+        return {"instructions": 0, "ops": {}}
+    lo, hi = max(loops, key=lambda lp: sum("LDG" in t for pc, t in ins if lp[0] <= pc <= lp[1]))
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                              for pc, t in ins if lo <= pc <= hi)
+    return {"instructions": sum(ops.values()), "ops": dict(ops.most_common(12))}
+
+
 def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -46,7 +69,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     bk = cfg["BLOCK_K"]
     if cfg.pop("GEMV", False):  # the CUDA-core forward for one input row
         fn = gemm._w4a16_gemv_kernel
-        consts = {"HAS_BIAS": False, "GPU_MATH": True, "stride_ak": 1, **cfg}
+        consts = {"HAS_BIAS": False, "GPU_MATH": True, **cfg}
     else:
         fn = gemm._w4a16_kernel
         consts = {"TRANS_W": trans_w, "HAS_BIAS": False, "GROUP_M": 8, "EVEN_K": True, "GPU_MATH": True,
@@ -55,7 +78,8 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     # constexpr parameters with a default (A_PREPERM, EVICT_W, G_PER_ROW) take it unless given
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     names = fn.arg_names  # the signature must follow the kernel's argument order
-    sig = {n: PTRS.get(n, "constexpr" if n in consts else "i32") for n in names}
+    ptrs = {**PTRS, "a_ptr": "*i32"} if fn is not gemm._w4a16_kernel else PTRS  # GEMV: input as words
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     div16 = [n for n in (*PTRS, *INTS) if n in names and n not in ("M", "SPLIT_K", "M_BUCKET")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -78,7 +102,9 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
         (out / f"{tag}.ptx").write_text(ptx)
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, info)) else None  # noqa: E731
+    loop = sass_main_loop(k.asm["cubin"], bin_dir)
     return {"registers": num(r"Used (\d+) registers"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
+            "sass_loop_instructions": loop["instructions"], "sass_loop_ops": loop["ops"],
             "shared_bytes": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
             "fma_f32": ptx.count("fma.rn.f32"),
             "memory_instructions": dict(sorted(collections.Counter(re.findall(MEM, ptx)).items()))}

@@ -93,6 +93,26 @@ def _decode_ptx() -> str:
 
 
 _DECODE_ASM = tl.constexpr(_decode_ptx())
+
+
+def _decode_f32_ptx() -> str:
+    """`_DECODE_ASM` with float32 outputs (for the CUDA-core GEMV, which multiplies in float32):
+    $0-$3 the low-nibble weights of bytes 0-3, $4-$7 the high-nibble ones; inputs $8 the 4
+    bytes, $9/$10 the scales as bf16x2. Each bf16x2 result is split with one shift (low half)
+    and one and (high half): a bf16 is the top half of the float32 with the same value."""
+    lines = ["{", ".reg .b32 t01, t23, x, y, z, v;", "mov.b32 z, 0x80008000;",
+             "prmt.b32 t01, $8, $8, 0x1100;", "prmt.b32 t23, $8, $8, 0x3322;"]
+    # (outputs for the two bytes of the pair, byte pair, magnitude shift, sign shift, scale)
+    for outs, src, mag, sign, scale in (((0, 1), "t01", 6, 12, 9), ((2, 3), "t23", 6, 12, 10),
+                                        ((4, 5), "t01", 2, 8, 9), ((6, 7), "t23", 2, 8, 10)):
+        lines += [f"shl.b32 x, {src}, {mag};", f"shl.b32 y, {src}, {sign};",
+                  "lop3.b32 x, x, y, 0x01C001C0, 0xE4;", "and.b32 x, x, 0x81C081C0;",
+                  f"fma.rn.bf16x2 v, x, ${scale}, z;",
+                  f"shl.b32 ${outs[0]}, v, 16;", f"and.b32 ${outs[1]}, v, 0xFFFF0000;"]
+    return "\n" + "\n".join(lines + ["}"]) + "\n"
+
+
+_DECODE_F32_ASM = tl.constexpr(_decode_f32_ptx())
 _SCALE_BIAS = 256.0  # the GPU decode's weights are E2M1 · s · 2^-8 (see _DECODE_ASM)
 _SCALE_BIAS_C = tl.constexpr(_SCALE_BIAS)
 _TWO_POW_118 = tl.constexpr(2.0 ** 118)
@@ -313,20 +333,25 @@ def _w4a16_kernel(
 @triton.jit
 def _w4a16_gemv_kernel(
     a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
-    N_OUT, RED, stride_ak, stride_w, stride_s, SPLIT_K,
+    N_OUT, RED, stride_w, stride_s, SPLIT_K,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GPU_MATH: tl.constexpr,
     G_PER_ROW: tl.constexpr = False,
 ):
     """The forward for one input row (M = 1: decoding one sequence) on CUDA cores.
 
     No tensor cores and no shared memory for the weight: each program streams a
-    [BLOCK_N, BLOCK_K] weight tile per step straight into registers, decodes it
-    (`_decode_tile`), multiplies by the input and sums each block of 16 products inside its
-    thread into a float32 [BLOCK_N, BLOCK_K/16] accumulator, summed once after the loop.
+    [BLOCK_N, BLOCK_K] weight tile per step straight into registers as bytes [BN, G, 8]
+    (G = BLOCK_K/16 blocks of 8 bytes). Byte i of a row holds weights 2i (low nibble) and
+    2i+1 (high nibble), and the input, read as 32-bit words, holds x[2i] in the low and
+    x[2i+1] in the high half of word i; so the low nibbles multiply the words' low halves and
+    the high nibbles the high halves, and no interleaving is needed. Weights are decoded
+    straight to float32 (`_DECODE_F32_ASM`) and accumulated by FFMA into a float32
+    [BLOCK_N, G, 8] accumulator (a byte's two products per slot), summed once after the loop.
     Bandwidth comes from occupancy (small programs, few registers) rather than a deep
-    pipeline. RED % BLOCK_K == 0 (the launcher checks). Split-K as in `_w4a16_kernel`
-    (deterministic last-arriver reduction). Configs with 8 or 16 warps and BLOCK_K = 128
-    compile to a loop without shuffles (`benchmarks/nvfp4_gemm_ptx.py`, NOTES.md)."""
+    pipeline. a_ptr: the input as int32 words (K/2 of them, contiguous); RED % BLOCK_K == 0
+    (the launcher checks). Split-K as in `_w4a16_kernel` (deterministic last-arriver
+    reduction). Tiles that compile without spills: `GEMV_TILES` in
+    benchmarks/nvfp4_gemm_sweep.py (about 7.5 SASS instructions per weight; NOTES.md)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_tiles = RED // BLOCK_K
@@ -339,21 +364,35 @@ def _w4a16_gemv_kernel(
     n_ok = rn < N_OUT
     rows = rn.to(tl.int64)
     grp = kt0 * G + tl.arange(0, G)
-    p_ptrs = packed_ptr + rows[:, None, None] * stride_w + (grp[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]
+    j8 = tl.arange(0, 8)
+    byte_in_row = grp[:, None] * 8 + j8[None, :]  # [G, 8]: also the input word index
+    p_ptrs = packed_ptr + rows[:, None, None] * stride_w + byte_in_row[None, :, :]
     s_ptrs = scale_ptr + rows[:, None] * stride_s + grp[None, :]
-    a_ptrs = a_ptr + (kt0 * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)[None, :] * stride_ak
+    x_ptrs = a_ptr + byte_in_row
 
-    acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, G, 8), dtype=tl.float32)
     for _ in range(kt0, kt1):
         b = tl.load(p_ptrs, mask=n_ok[:, None, None], other=0, eviction_policy="evict_first")
         sc = tl.load(s_ptrs, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
-        w = _decode_tile(b, sc, BLOCK_N, G, GPU_MATH).to(tl.float32)  # [BN, BK], exact
-        a = tl.load(a_ptrs).to(tl.float32)  # [1, BK]
-        acc += tl.sum(tl.reshape(w * a, (BLOCK_N, G, 16)), axis=2)
+        xw = tl.load(x_ptrs)  # int32 [G, 8]
+        x_lo = (xw << 16).to(tl.float32, bitcast=True)[None, :, :]  # x[2i]
+        x_hi = (xw & -65536).to(tl.float32, bitcast=True)[None, :, :]  # x[2i+1]
+        s = _e4m3_decode(sc.to(tl.int32))
+        if GPU_MATH:
+            s2 = tl.broadcast_to((s * _TWO_POW_118).to(tl.bfloat16)[:, :, None], (BLOCK_N, G, 8))
+            w_lo, w_hi = tl.inline_asm_elementwise(
+                _DECODE_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b, s2],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            bi = b.to(tl.int32)
+            w_lo = _e2m1_fp32(bi & 15) * s[:, :, None]
+            w_hi = _e2m1_fp32(bi >> 4) * s[:, :, None]
+        acc += w_lo * x_lo  # two FFMA chains per byte; reduced once, after the loop
+        acc += w_hi * x_hi
         p_ptrs += BLOCK_K // 2
         s_ptrs += G
-        a_ptrs += BLOCK_K * stride_ak
-    acc = tl.sum(acc, axis=1)  # [BLOCK_N]
+        x_ptrs += BLOCK_K // 2
+    acc = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
 
     if GPU_MATH:
         acc = acc * _SCALE_BIAS_C
@@ -566,9 +605,10 @@ def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool
                          f"(got dX={trans_w}, M={M}, K={red}, BLOCK_K={bk})")
     tiles = triton.cdiv(n_out, bn)
     ws = torch.empty(split * n_out, dtype=torch.float32, device=a2.device) if split > 1 else out
+    words = a2.reshape(red).contiguous().view(torch.int32)  # x[2i], x[2i+1] in word i
     _w4a16_gemv_kernel[(tiles, split)](
-        a2, packed, scale, g, bias_arg, out, ws, _counters(a2.device, tiles),
-        n_out, red, a2.stride(1), packed.stride(0), scale.stride(0), split,
+        words, packed, scale, g, bias_arg, out, ws, _counters(a2.device, tiles),
+        n_out, red, packed.stride(0), scale.stride(0), split,
         HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, GPU_MATH=not INTERPRET, G_PER_ROW=g.numel() > 1,
         num_warps=cfg.get("num_warps", 8), num_stages=cfg.get("num_stages", 1),
     )
