@@ -36,8 +36,8 @@ MEM = r"(?:ld|st)\.shared[.a-z0-9]*|ld\.global[.a-z0-9]*|cp\.async\.c[ag][.a-z0-
 
 
 def sass_main_loop(cubin: bytes, tools: Path) -> dict:
-    """Instructions in the SASS of the kernel's main loop (the backward branch whose body
-    issues the most global loads), and their mix by opcode: a static stand-in for issue cost."""
+    """Instructions in the SASS of the kernel's main loop (the longest loop that loads from
+    global memory), and their mix by opcode: a static stand-in for issue cost."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -50,7 +50,8 @@ def sass_main_loop(cubin: bytes, tools: Path) -> dict:
              if (m := re.search(r"BRA\s+(?:`\(.*?\))?\s*0x([0-9a-f]+)", txt)) and int(m.group(1), 16) < pc]
     if not loops:
         return {"instructions": 0, "ops": {}}
-    lo, hi = max(loops, key=lambda lp: sum("LDG" in t for pc, t in ins if lp[0] <= pc <= lp[1]))
+    with_loads = [lp for lp in loops if any("LDG" in t for pc, t in ins if lp[0] <= pc <= lp[1])] or loops
+    lo, hi = max(with_loads, key=lambda lp: lp[1] - lp[0])  # the longest loop that loads from global
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
                               for pc, t in ins if lo <= pc <= hi)
     return {"instructions": sum(ops.values()), "ops": dict(ops.most_common(12))}
@@ -63,6 +64,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
 
     from kernels.nvfp4 import gemm
 
+    gemm._HW_E4M3 = triton.language.constexpr(True)  # compiling for sm_90a, whatever this machine has
     cfg = dict(cfg)
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1 if cfg.get("GEMV") else 3)
     cfg.pop("SPLIT_K", None)  # a runtime argument

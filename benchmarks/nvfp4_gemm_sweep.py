@@ -40,9 +40,9 @@ SHAPES = {
 }
 
 
-# (BLOCK_N, BLOCK_K, warps) of the GEMV: on triton 3.6 for sm_90a these have 27-123 registers, no
-# spills and 7.3-7.8 SASS instructions per weight in the K loop
-GEMV_TILES = ((16, 128, 16), (32, 128, 4), (32, 256, 8), (64, 128, 4), (64, 128, 8), (64, 256, 16),
+# (BLOCK_N, BLOCK_K, warps) of the GEMV: on triton 3.6 for sm_90a these have 62-121 registers, no
+# spills and 6.7-7.2 SASS instructions per weight in the K loop (benchmarks/nvfp4_gemm_ptx.py)
+GEMV_TILES = ((32, 128, 4), (32, 256, 8), (64, 128, 4), (64, 128, 8), (64, 256, 16),
               (128, 128, 8), (128, 128, 16), (128, 256, 16), (256, 128, 16))
 
 
