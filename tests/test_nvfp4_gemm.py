@@ -83,6 +83,14 @@ def test_bad_inputs_raise():
         linear_w4a16(x, q.weight_packed, q.weight_scale[:, :1], q.weight_global_scale)
     with pytest.raises(ValueError, match="global_scale"):
         linear_w4a16(x, *q[:2], q.weight_global_scale.double())
+    with pytest.raises(ValueError, match="global_scale"):
+        linear_w4a16(x, *q[:2], 2.0)
+    with pytest.raises(ValueError, match=r"one per output row \(16\)"):  # per-row: 16 rows, not 3
+        linear_w4a16(x, *q[:2], torch.ones(3))
+    with pytest.raises(ValueError, match="global_scale must be a float32 tensor of one number$"):
+        grad_input_w4a16(dy, *q[:2], torch.ones(16))  # per-row scales: forward only
+    with pytest.raises(ValueError, match="GEMV kernel is the forward for one input row"):
+        linear_w4a16(x, *q, _config=dict(GEMV=True, BLOCK_N=16, BLOCK_K=32))  # 3 rows
     with pytest.raises(ValueError, match="bias"):
         linear_w4a16(x, *q, bias=torch.zeros(15).bfloat16())
 

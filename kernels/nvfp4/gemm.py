@@ -351,7 +351,6 @@ def _w4a16_kernel(
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next launch
 
 
-
 @triton.jit
 def _w4a16_gemv_kernel(
     a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
@@ -593,9 +592,9 @@ def _check(name, a, weight_packed, weight_scale, weight_global_scale, a_dim_is_k
     if tuple(weight_scale.shape) != (n, k // BLOCK):
         raise ValueError(f"{name}: weight_scale shape {tuple(weight_scale.shape)} does not fit "
                          f"weight_packed {tuple(weight_packed.shape)} (expected {(n, k // BLOCK)})")
-    rows_ok = a_dim_is_k and weight_global_scale.numel() == n  # forward: one per W row
-    if (not isinstance(weight_global_scale, torch.Tensor) or weight_global_scale.dtype != torch.float32
-            or not (weight_global_scale.numel() == 1 or rows_ok)):
+    is_f32 = isinstance(weight_global_scale, torch.Tensor) and weight_global_scale.dtype == torch.float32
+    if not is_f32 or not (weight_global_scale.numel() == 1  # or, in the forward, one per W row
+                          or (a_dim_is_k and weight_global_scale.numel() == n)):
         raise ValueError(f"{name}: weight_global_scale must be a float32 tensor of one number"
                          + (f" or of one per output row ({n})" if a_dim_is_k else ""))
     want = k if a_dim_is_k else n

@@ -7,8 +7,10 @@ node and CUDA graphs capture its kernel launches.
 
 No autotuning: configs come from `SERVING_CONFIGS`, a fixed table by input rows, because an
 autotuner benchmarks on first use, which must not happen while vLLM captures CUDA graphs.
-The table's entries are the forced-config sweep's picks (`benchmarks/nvfp4_gemm_sweep.py`);
-the split-K count is derived per call from the shape so the grid fills the SMs.
+Its entries are provisional: the tensor-core tile is the one the earlier M = 16 sweeps
+favoured, the GEMV tile one that compiles lean (NOTES.md, sixth session); the forced-config
+sweep (`benchmarks/nvfp4_gemm_sweep.py`) is what should fill it. The split-K count is
+derived per call from the shape so that the grid fills the SMs.
 
 * M = 1: the CUDA-core GEMV (`gemm._w4a16_gemv_kernel`), when K % its BLOCK_K == 0;
 * M ≤ 16 (and M ≤ 32): the tensor-core kernel, swapped, split-K;
@@ -33,14 +35,14 @@ SERVING_CONFIGS: list[tuple[int, dict]] = [
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4)),
     (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4)),
 ]
-MAX_FUSED_ROWS = SERVING_CONFIGS[-1][0]
 MAX_SPLIT = 8
 
 
 def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
-    """Split-K count: enough programs for about two per SM, each split ≥ 2 K tiles."""
+    """Split-K count: doubled while the programs stay within two per SM and every split keeps
+    at least 2 K tiles."""
     split = 1
-    while split < MAX_SPLIT and tiles * split * 2 <= 2 * sms and k_tiles >= 4 * split:
+    while split < MAX_SPLIT and tiles * split <= sms and k_tiles >= 4 * split:
         split *= 2
     return split
 
@@ -80,7 +82,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row
     m, k = x.shape
     n = packed.shape[0]
     cfg = config_for(m, n, k, _num_sms(x.device))
-    if cfg is None or m == 0:  # per-row divisors are handled by the bf16 dequantize too
+    if cfg is None:  # per-row divisors are handled by the bf16 dequantize too
         w = triton_kernels.dequantize(packed, scale, row_global_scale, torch.bfloat16)
         return torch.nn.functional.linear(x, w, bias)
     return gemm.linear_w4a16(x, packed, scale, row_global_scale, bias, _config=cfg)
