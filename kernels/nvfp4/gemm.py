@@ -150,22 +150,36 @@ def _scale_f32(sc, GPU_MATH: tl.constexpr):
 
 
 @triton.jit
-def _decode_tile(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr):
-    """bytes b uint8 [BR, G, 8] + e4m3 bytes sc uint8 [BR, G] → the weights [BR, G*16]
-    (element 2i from the low nibble of byte i), times the block scale.
+def _decode_nibbles(b, s, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr, F32: tl.constexpr):
+    """bytes b uint8 [BR, G, 8] + their block scales s float32 [BR, G] → (low-nibble,
+    high-nibble) weights [BR, G, 8], times the block scale.
 
-    GPU_MATH: inline PTX, bf16 values E2M1 · s · 2^-8 (exact); otherwise (the CPU interpreter,
-    whose bf16 arithmetic and bf16 tl.dot are wrong) float32 values E2M1 · s (exact)."""
-    s = _scale_f32(sc, GPU_MATH)
+    GPU_MATH: inline PTX, values E2M1 · s · 2^-8 (exact), as bf16 (`_DECODE_ASM`) or, with F32,
+    float32 (`_DECODE_F32_ASM`); otherwise (the CPU interpreter, whose bf16 arithmetic and bf16
+    tl.dot are wrong) float32 values E2M1 · s (exact)."""
     if GPU_MATH:
         s2 = tl.broadcast_to((s * _TWO_POW_118).to(tl.bfloat16)[:, :, None], (BR, G, 8))  # s · 2^118
-        lo, hi = tl.inline_asm_elementwise(
-            _DECODE_ASM, "=r,=r,=r,=r,r,r,r", [b, s2],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        if F32:
+            lo, hi = tl.inline_asm_elementwise(
+                _DECODE_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b, s2],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                _DECODE_ASM, "=r,=r,=r,=r,r,r,r", [b, s2],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
         bi = b.to(tl.int32)
         lo = _e2m1_fp32(bi & 15) * s[:, :, None]
         hi = _e2m1_fp32(bi >> 4) * s[:, :, None]
+    return lo, hi
+
+
+@triton.jit
+def _decode_tile(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr):
+    """bytes b uint8 [BR, G, 8] + e4m3 bytes sc uint8 [BR, G] → the weights [BR, G*16]
+    (element 2i from the low nibble of byte i), times the block scale (`_decode_nibbles`:
+    bf16 on the GPU, float32 in the interpreter)."""
+    lo, hi = _decode_nibbles(b, _scale_f32(sc, GPU_MATH), BR, G, GPU_MATH, False)
     return tl.reshape(tl.join(lo, hi), (BR, G * 16))  # the join's pair sits in one thread
 
 
@@ -398,16 +412,7 @@ def _w4a16_gemv_kernel(
         xw = tl.load(x_ptrs)  # int32 [G, 8]
         x_lo = (xw << 16).to(tl.float32, bitcast=True)[None, :, :]  # x[2i]
         x_hi = (xw & -65536).to(tl.float32, bitcast=True)[None, :, :]  # x[2i+1]
-        s = _scale_f32(sc, GPU_MATH)
-        if GPU_MATH:
-            s2 = tl.broadcast_to((s * _TWO_POW_118).to(tl.bfloat16)[:, :, None], (BLOCK_N, G, 8))
-            w_lo, w_hi = tl.inline_asm_elementwise(
-                _DECODE_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b, s2],
-                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-        else:
-            bi = b.to(tl.int32)
-            w_lo = _e2m1_fp32(bi & 15) * s[:, :, None]
-            w_hi = _e2m1_fp32(bi >> 4) * s[:, :, None]
+        w_lo, w_hi = _decode_nibbles(b, _scale_f32(sc, GPU_MATH), BLOCK_N, G, GPU_MATH, True)
         acc += w_lo * x_lo  # two FFMA chains per byte; reduced once, after the loop
         acc += w_hi * x_hi
         p_ptrs += BLOCK_K // 2
