@@ -135,27 +135,39 @@ def row_global_scale(layer: torch.nn.Module) -> torch.Tensor:
     return shard_gs.float().reshape(-1)[:1]
 
 
-def _make_kernel_class():
+@functools.cache
+def _kernel_classes():
+    """(dequantize-once class, fused class), built lazily so importing this module is cheap."""
     from vllm.model_executor.kernels.linear.nvfp4.base import (
         NvFp4LinearKernel,
         NvFp4LinearLayerConfig,
     )
     from vllm.platforms import current_platform
 
-    class QeRLDequantNvFp4LinearKernel(NvFp4LinearKernel):
-        """NVFP4 W4A16: dequantize once after loading, bf16 GEMM after (CPU; CUDA on request)."""
+    class _QeRLNvFp4Kernel(NvFp4LinearKernel):
+        """What the project's two kernels share: any layer config; on CUDA each is taken only
+        when QERL_NVFP4_BACKEND names it (`BACKEND`)."""
+
+        BACKEND = ""
 
         @classmethod
-        def is_supported(cls, compute_capability: int | None = None):
-            if current_platform.is_cpu():
-                return True, None
-            if current_platform.is_cuda() and os.environ.get(BACKEND_ENV, "").lower() == "dequant":
-                return True, None
-            return False, f"QeRL dequantize-once NVFP4 kernel: CPU, or CUDA with {BACKEND_ENV}=dequant"
+        def asked_for(cls) -> bool:
+            return os.environ.get(BACKEND_ENV, "").lower() == cls.BACKEND
 
         @classmethod
         def can_implement(cls, config: NvFp4LinearLayerConfig):
             return True, None
+
+    class QeRLDequantNvFp4LinearKernel(_QeRLNvFp4Kernel):
+        """NVFP4 W4A16: dequantize once after loading, bf16 GEMM after (CPU; CUDA on request)."""
+
+        BACKEND = "dequant"
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None):
+            if current_platform.is_cpu() or (current_platform.is_cuda() and cls.asked_for()):
+                return True, None
+            return False, f"QeRL dequantize-once NVFP4 kernel: CPU, or CUDA with {BACKEND_ENV}=dequant"
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             packed, block_scale = layer.weight.data, layer.weight_scale.data
@@ -193,32 +205,20 @@ def _make_kernel_class():
                 out = out + bias
             return out
 
-    return QeRLDequantNvFp4LinearKernel
-
-
-def _make_fused_kernel_class():
-    from vllm.model_executor.kernels.linear.nvfp4.base import (
-        NvFp4LinearKernel,
-        NvFp4LinearLayerConfig,
-    )
-    from vllm.platforms import current_platform
-
-    class QeRLFusedNvFp4LinearKernel(NvFp4LinearKernel):
+    class QeRLFusedNvFp4LinearKernel(_QeRLNvFp4Kernel):
         """NVFP4 W4A16 from the packed 4-bit weights: the project's Triton GEMMs
         (`kernels/nvfp4/serving.py`), one custom op per Linear; CUDA with
         QERL_NVFP4_BACKEND=fused. Holds 0.56 bytes per weight, no bf16 copy."""
+
+        BACKEND = "fused"
 
         @classmethod
         def is_supported(cls, compute_capability: int | None = None):
             # On CPU only under the Triton interpreter (TRITON_INTERPRET=1): tests, very slow.
             interpreted = current_platform.is_cpu() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-            if (current_platform.is_cuda() or interpreted) and os.environ.get(BACKEND_ENV, "").lower() == "fused":
+            if (current_platform.is_cuda() or interpreted) and cls.asked_for():
                 return True, None
             return False, f"QeRL fused NVFP4 kernel: CUDA (or TRITON_INTERPRET=1) with {BACKEND_ENV}=fused"
-
-        @classmethod
-        def can_implement(cls, config: NvFp4LinearLayerConfig):
-            return True, None
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             from kernels.nvfp4 import serving
@@ -243,19 +243,17 @@ def _make_fused_kernel_class():
                                             bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    return QeRLFusedNvFp4LinearKernel
+    return QeRLDequantNvFp4LinearKernel, QeRLFusedNvFp4LinearKernel
 
 
-@functools.cache
 def kernel_class():
-    """The dequantize-once kernel class (built lazily so importing this module is cheap)."""
-    return _make_kernel_class()
+    """The dequantize-once kernel class."""
+    return _kernel_classes()[0]
 
 
-@functools.cache
 def fused_kernel_class():
     """The fused (4-bit weights, Triton GEMM) kernel class."""
-    return _make_fused_kernel_class()
+    return _kernel_classes()[1]
 
 
 def register() -> None:
