@@ -17,7 +17,12 @@ Grids (`--grid`, several allowed):
 Shapes (`--shapes`): vllm-7b (default: Qwen2.5-7B as vLLM runs it, merged qkv and gate_up),
 learner-7b (the separate projections), or NxK entries.
 
-    python benchmarks/nvfp4_gemm_sweep.py --grid gemv tc-m1 tc-m16 --out sweep.json
+    python benchmarks/nvfp4_gemm_sweep.py --grid gemv tc-m1 tc-m16 --out sweep.json \
+        --serving-table kernels/nvfp4/serving_configs.json
+
+`--serving-table` writes, per shape and M, the fastest config that is correct and beats
+cuBLAS bf16 (kernel_only rows excluded: serving permutes its own input), in the format
+`kernels/nvfp4/serving.py` reads: what vLLM's `fused` backend then runs.
 """
 from __future__ import annotations
 
@@ -78,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", type=float, default=4.245e12,
                    help="copy bandwidth in B/s that %% of bandwidth refers to (H200: 4.245e12, measured)")
     p.add_argument("--out", type=Path, default=None, help="write every row as JSON here")
+    p.add_argument("--serving-table", type=Path, default=None,
+                   help="write the winners as kernels/nvfp4/serving.py's per-shape table here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # i/n: compile a share, then exit
     return p.parse_args(argv)
 
@@ -167,9 +174,11 @@ def main(argv=None) -> int:
                     print(json.dumps(row), flush=True)
         qs = bf = base = xs = None  # free this shape's weights before the next one
         torch.cuda.empty_cache()
+        if args.out:  # after each shape: a run cut short keeps what it measured
+            args.out.write_text(json.dumps(rows, indent=1))
 
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+    if args.serving_table:
+        write_serving_table(args.serving_table, rows, shapes, sorted({m for m, _ in cases}))
     print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s. Best correct configs (rel. error < 1e-2):")
     for name, N, K in shapes:
         for M in sorted({m for m, _ in cases}):
@@ -178,9 +187,36 @@ def main(argv=None) -> int:
                          and r.get("rel_err", 1) < 1e-2), key=lambda r: r["us"])
             print(f"{name} {N}x{K} M={M}: cuBLAS bf16 {cb['us']} us ({cb['pct_bw']} % of BW)")
             for r in ok[:4]:
-                cfg = {k: v for k, v in r.items() if k not in ("shape", "N", "K", "M", "kernel", "us", "pct_bw", "rel_err")}
+                cfg = {k: v for k, v in r.items()
+                       if k not in ("shape", "N", "K", "M", "kernel", "us", "pct_bw", "rel_err")}
                 print(f"   {r['us']:8.2f} us  {r['pct_bw']:5.1f} % of BW  {json.dumps(cfg)}")
     return 0
+
+
+CONFIG_KEYS = ("GEMV", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "SPLIT_K", "num_warps", "num_stages",
+               "A_PREPERM", "EVICT_W")
+
+
+def write_serving_table(path: Path, rows: list, shapes, ms) -> None:
+    """Per shape and M, the fastest correct config (the input permute counted) that beats cuBLAS."""
+    import torch
+
+    configs = {}
+    for name, N, K in shapes:
+        for M in ms:
+            cb = next(r for r in rows if (r["shape"], r["M"], r["kernel"]) == (name, M, "cublas_bf16"))
+            ok = [r for r in rows if (r["shape"], r["M"], r["kernel"]) == (name, M, "nvfp4")
+                  and not r.get("kernel_only") and r.get("rel_err", 1) < 1e-2 and r["us"] < cb["us"]]
+            if ok:
+                best = min(ok, key=lambda r: r["us"])
+                cfg = {k: best[k] for k in CONFIG_KEYS if k in best}
+                configs.setdefault(f"{N}x{K}", []).append(
+                    [M, dict(cfg, us=best["us"], cublas_bf16_us=cb["us"])])
+    path.write_text(json.dumps({"measured_on": f"{torch.cuda.get_device_name()}, triton "
+                                               f"{__import__('triton').__version__}, benchmarks/nvfp4_gemm_sweep.py, "
+                                               f"{time.strftime('%Y-%m-%d')}",
+                                "configs": configs}, indent=1) + "\n")
+    print(f"wrote {path} ({sum(len(v) for v in configs.values())} entries)")
 
 
 if __name__ == "__main__":

@@ -299,15 +299,16 @@ def test_secret_placeholders_are_marked():
 
 def test_runtime_data_files_are_package_data():
     """The images install the wheel and delete the source tree, so every non-Python file a stage
-    reads at run time must be package data (a missing backend table or LoRA config folder would
-    only show on a GPU cluster)."""
+    reads at run time must be package data (a missing backend table, LoRA config folder or
+    NVFP4 serving config table would only show on a GPU cluster)."""
     from fnmatch import fnmatch
 
     from components.rollout.backends import TABLE_PATH
     from components.rollout.engine import LORA_KERNEL_CONFIGS
+    from kernels.nvfp4.serving import BUNDLED_TABLE
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    needed = [TABLE_PATH, *sorted(LORA_KERNEL_CONFIGS.glob("*.json"))]
+    needed = [TABLE_PATH, BUNDLED_TABLE, *sorted(LORA_KERNEL_CONFIGS.glob("*.json"))]
     assert len(needed) > 1, "no bundled LoRA kernel configs"
     for path in needed:
         package = ".".join(path.parent.relative_to(ROOT).parts)

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,8 +22,11 @@ if str(ROOT) not in sys.path:
 TOL = 1e-2  # ‖out − ref‖ / ‖ref‖: bf16 output, a different accumulation order
 
 
-def test_config_table_covers_every_row_count():
+def test_config_table_covers_every_row_count(tmp_path, monkeypatch):
     from kernels.nvfp4 import serving
+
+    (tmp_path / "none.json").write_text('{"configs": {}}')  # the generic table alone
+    monkeypatch.setenv(serving.TABLE_ENV, str(tmp_path / "none.json"))
 
     assert serving.config_for(1, 4608, 3584, 132)["GEMV"] is True
     assert "GEMV" not in serving.config_for(1, 4608, 3000 + 16, 132)  # K % 128 != 0: tensor cores
@@ -33,6 +37,26 @@ def test_config_table_covers_every_row_count():
     # more output tiles than SMs: no split; few tiles over a long K: split
     assert serving.config_for(16, 37888, 3584, 132)["SPLIT_K"] == 1
     assert serving.config_for(16, 3584, 18944, 132)["SPLIT_K"] > 1
+
+
+def test_measured_table_wins_for_its_shapes(tmp_path, monkeypatch):
+    from kernels.nvfp4 import serving
+
+    gemv = dict(GEMV=True, BLOCK_N=128, BLOCK_K=256, SPLIT_K=2, num_warps=16, num_stages=1)
+    tc = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, SPLIT_K=4, num_warps=4, num_stages=2,
+              A_PREPERM=True, EVICT_W=False)
+    (tmp_path / "t.json").write_text(json.dumps({"measured_on": "test", "configs": {
+        "4608x3584": [[16, dict(tc, us=9.1, cublas_bf16_us=10.0)], [1, dict(gemv, us=5.0, cublas_bf16_us=9.0)]]}}))
+    monkeypatch.setenv(serving.TABLE_ENV, str(tmp_path / "t.json"))
+    assert serving.config_for(1, 4608, 3584, 132) == gemv  # measured figures are not kernel arguments
+    for m in (2, 15, 16):
+        assert serving.config_for(m, 4608, 3584, 132) == tc  # the M = 1 GEMV never takes 2 rows
+    assert serving.config_for(17, 4608, 3584, 132)["BLOCK_M"] == 32  # beyond the measured: generic
+    assert serving.config_for(16, 3584, 3584, 132)["BLOCK_K"] == 128  # another shape: generic
+    (tmp_path / "bad.json").write_text('{"4608x3584": []}')
+    monkeypatch.setenv(serving.TABLE_ENV, str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="bad.json.*expected"):
+        serving.config_for(1, 4608, 3584, 132)
 
 
 def test_fused_backend_in_interpreter():

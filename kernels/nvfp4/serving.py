@@ -5,12 +5,19 @@ with Ŵ never materialized, for x bf16 [M, K]. It is a registered custom op with
 (meta) implementation, so torch.compile (vLLM compiles its models) treats it as one opaque
 node and CUDA graphs capture its kernel launches.
 
-No autotuning: configs come from `SERVING_CONFIGS`, a fixed table by input rows, because an
-autotuner benchmarks on first use, which must not happen while vLLM captures CUDA graphs.
-Its entries are provisional: the tensor-core tile is the one the earlier M = 16 sweeps
-favoured, the GEMV tile one that compiles lean (NOTES.md, sixth session); the forced-config
-sweep (`benchmarks/nvfp4_gemm_sweep.py`) is what should fill it. The split-K count is
-derived per call from the shape so that the grid fills the SMs.
+No autotuning: configs come from fixed tables, because an autotuner benchmarks on first use,
+which must not happen while vLLM captures CUDA graphs. Two tables, the first that has an
+entry wins:
+
+1. a measured table per weight shape [N, K]: `serving_configs.json` beside this file, or the
+   file named by ``QERL_NVFP4_SERVING_CONFIGS``. `benchmarks/nvfp4_gemm_sweep.py
+   --serving-table FILE` writes it: per shape, the fastest correct config at each measured M
+   (split-K included), applied to every M up to the next measured one;
+2. `SERVING_CONFIGS`, by input rows only, for shapes nobody measured; its split-K count is
+   derived per call from the shape so that the grid fills the SMs.
+
+Both choose among the same kernels (the measured table per shape: on the H200 the GEMV wins at
+M = 1 only on the small q/k/v and o shapes):
 
 * M = 1: the CUDA-core GEMV (`gemm._w4a16_gemv_kernel`), when K % its BLOCK_K == 0;
 * M ≤ 16 (and M ≤ 32): the tensor-core kernel, swapped, split-K;
@@ -18,12 +25,16 @@ derived per call from the shape so that the grid fills the SMs.
   At these sizes the GEMM is compute bound and cuBLAS beats the fused kernel
   (kernels/nvfp4/NOTES.md: 43-50 % of cuBLAS at M = 4096).
 
-Status: checked on the CPU (interpreter) against the dequantized reference, including under
-torch.compile; not yet measured on a GPU.
+Status: correct on an H200 at every vLLM 7B shape and M = 1-300, eagerly, in CUDA graphs and
+under torch.compile (`benchmarks/nvfp4_serving_check.py`); inside vLLM 0.26 it serves a 7B
+shape at 214 / 3,100 tok/s for 1 / 16 sequences, Marlin 222 / 3,130 (NOTES.md, 2026-12-04).
 """
 from __future__ import annotations
 
 import functools
+import json
+import os
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -31,11 +42,36 @@ import triton
 
 # rows bound -> forced config of kernels/nvfp4/gemm.py (SPLIT_K filled in per call)
 SERVING_CONFIGS: list[tuple[int, dict]] = [
-    (1, dict(GEMV=True, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=1)),
+    (1, dict(GEMV=True, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)),
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4)),
     (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4)),
 ]
 MAX_SPLIT = 8
+TABLE_ENV = "QERL_NVFP4_SERVING_CONFIGS"
+MEASURED_KEYS = ("us", "cublas_bf16_us")  # figures stored beside each config, not kernel arguments
+BUNDLED_TABLE = Path(__file__).with_name("serving_configs.json")
+
+
+@functools.lru_cache(maxsize=4)
+def _load_table(path: str) -> dict:
+    """{(N, K): [(rows bound, config), ...] ascending} from a sweep's serving table."""
+    try:
+        data = json.loads(Path(path).read_text())
+        table = {}
+        for shape, entries in data["configs"].items():
+            n, k = (int(v) for v in shape.split("x"))
+            table[(n, k)] = sorted(((int(rows), {key: v for key, v in cfg.items() if key not in MEASURED_KEYS})
+                                    for rows, cfg in entries), key=lambda e: e[0])
+        return table
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"NVFP4 serving config table {path}: {type(e).__name__}: {e} (expected "
+                         '{"configs": {"NxK": [[rows, {config}], ...]}}, as nvfp4_gemm_sweep.py writes)') from e
+
+
+def measured_table() -> dict:
+    """The per-shape table in use (empty when there is none)."""
+    path = os.environ.get(TABLE_ENV) or (str(BUNDLED_TABLE) if BUNDLED_TABLE.exists() else "")
+    return _load_table(path) if path else {}
 
 
 def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
@@ -49,6 +85,11 @@ def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
 
 def config_for(m: int, n: int, k: int, sms: int) -> Optional[dict]:
     """The forced config for an [m, k] x [n, k]ᵀ forward, or None for dequantize + cuBLAS."""
+    entries = measured_table().get((n, k), [])
+    for i, (rows, cfg) in enumerate(entries):  # measured at M = rows: use it up to the next one
+        upto = entries[i + 1][0] - 1 if i + 1 < len(entries) else rows
+        if m <= upto and not (cfg.get("GEMV") and m != 1):
+            return dict(cfg)
     for rows, cfg in SERVING_CONFIGS:
         if m <= rows:
             if cfg.get("GEMV") and k % cfg["BLOCK_K"]:
@@ -67,8 +108,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def prepare(device: torch.device) -> None:
-    """Allocate the split-K counter buffer now (at model load), not during CUDA-graph capture."""
+    """Allocate the split-K counter buffer and read the config table now (at model load, so a
+    bad table fails there), not during CUDA-graph capture."""
     from . import gemm
+
+    measured_table()
 
     gemm._counters(device, 1 << 16)
 
