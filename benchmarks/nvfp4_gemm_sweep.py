@@ -13,6 +13,8 @@ Grids (`--grid`, several allowed):
   tc-m16   the tensor-core kernel at M = 16: BLOCK_N, BLOCK_K, split, stages, the input
            permuted outside the kernel (A_PREPERM; timed with and without that permute) and
            evict_first weight loads (EVICT_W)
+  tc-deep  the tensor-core kernel at M = 1 and 16 with 3-8 pipeline stages and 4 or 8 warps:
+           the kernel is latency-bound at M ≤ 16 (NOTES.md), so more loads in flight
 
 Shapes (`--shapes`): vllm-7b (default: Qwen2.5-7B as vLLM runs it, merged qkv and gate_up),
 learner-7b (the separate projections), or NxK entries.
@@ -66,8 +68,13 @@ def grid(name: str) -> list[tuple[int, dict]]:
                                                                    (False, True), (False, True)):
             out.append((16, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=4,
                                  num_stages=stages, A_PREPERM=pre, EVICT_W=evict)))
+    elif name == "tc-deep":  # deeper pipelines and more warps, at the M of both decode regimes
+        for m, bn, bk, stages, warps, split in itertools.product((1, 16), (64, 128), (128, 256), (3, 5, 6, 8), (4, 8),
+                                                                  (1, 2, 4)):
+            out.append((m, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=warps,
+                                num_stages=stages)))
     else:
-        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16")
+        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-deep")
     return out
 
 
@@ -85,6 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None, help="write every row as JSON here")
     p.add_argument("--serving-table", type=Path, default=None,
                    help="write the winners as kernels/nvfp4/serving.py's per-shape table here")
+    p.add_argument("--merge-rows", type=Path, default=None,
+                   help="an earlier run's --out (same GPU and shapes): its rows join this run's for "
+                        "--serving-table and the summary, so a new grid adds to what was measured")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # i/n: compile a share, then exit
     return p.parse_args(argv)
 
@@ -177,11 +187,17 @@ def main(argv=None) -> int:
         if args.out:  # after each shape: a run cut short keeps what it measured
             args.out.write_text(json.dumps(rows, indent=1))
 
+    ms = sorted({m for m, _ in cases})
+    if args.merge_rows:
+        earlier = json.loads(args.merge_rows.read_text())
+        names = {name for name, _, _ in shapes}
+        rows = rows + [r for r in earlier if r["shape"] in names and r["M"] in ms and r["kernel"] == "nvfp4"
+                       and not r.get("PREFETCH")]  # a GEMV variant measured on 2026-12-04 and dropped
     if args.serving_table:
-        write_serving_table(args.serving_table, rows, shapes, sorted({m for m, _ in cases}))
+        write_serving_table(args.serving_table, rows, shapes, ms)
     print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s. Best correct configs (rel. error < 1e-2):")
     for name, N, K in shapes:
-        for M in sorted({m for m, _ in cases}):
+        for M in ms:
             cb = next(r for r in rows if r["shape"] == name and r["M"] == M and r["kernel"] == "cublas_bf16")
             ok = sorted((r for r in rows if r["shape"] == name and r["M"] == M and r["kernel"] == "nvfp4"
                          and r.get("rel_err", 1) < 1e-2), key=lambda r: r["us"])

@@ -101,7 +101,7 @@ def test_kernels_in_interpreter():
     report = interpreter_report(__file__, timeout=600)
     assert report["interpreted"] is True
     assert report["failures"] == [], report["failures"]
-    assert report["checks"] >= 200, report
+    assert report["checks"] >= 180, report
     print(f"{report['checks']} interpreter checks, worst rel. error {report['worst']:.2e}")
 
 
@@ -285,8 +285,13 @@ def _interpreter_check() -> dict:
     w64 = ref.dequantize(*q, dtype=torch.float32).double()
     xs = {m: torch.randn(m, 1024, generator=gen).bfloat16() for m in (1, 16)}
     want_ref = {m: gemm.reference_linear(x, *q) for m, x in xs.items()}
-    for name in ("gemv", "tc-m1", "tc-m16"):
+    seen = set()  # the interpreter ignores warps and stages: each distinct computation once
+    for name in ("gemv", "tc-m1", "tc-m16", "tc-deep"):
         for m, cfg in sweep.grid(name):
+            key = (m, *sorted((k, v) for k, v in cfg.items() if k not in ("num_warps", "num_stages")))
+            if key in seen:
+                continue
+            seen.add(key)
             x = xs[m]
             expect(f"sweep {name} {cfg}", gemm.linear_w4a16(x, *q, _config=dict(cfg)), want_ref[m],
                    x.double() @ w64.t(), (m, 144))
