@@ -14,8 +14,7 @@ stage's measured table (components/rollout/backend_throughput.json).
 
 Backends: bf16 (unquantized config), marlin / humming (vLLM's W4A16 kernels), dequant (the
 project's dequantize-once kernel: bf16 GEMMs over the NVFP4 model's dequantized weights), fused
-(the project's Triton W4A16 GEMMs on the packed weights, kernels/nvfp4/serving.py), hybrid
-(fused for the small projections, Marlin for the large ones).
+(the project's Triton W4A16 GEMMs on the packed weights, kernels/nvfp4/serving.py).
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.quantize_stage import SHAPES, qwen2_config  # noqa: E402
 
-BACKENDS = ("bf16", "marlin", "humming", "dequant", "fused", "hybrid")
+BACKENDS = ("bf16", "marlin", "humming", "dequant", "fused")
 
 
 def model_dir(root: Path, shape: str, quantized: bool) -> Path:
@@ -115,9 +114,8 @@ def worker(args) -> dict:
     start_s = time.time() - t0
 
     def inspect(model):
-        from kernels.vllm_nvfp4_dequant import kernel_names
-
-        kernels = kernel_names(model)
+        kernels = sorted({type(m.scheme.kernel).__name__ for m in model.modules()
+                          if getattr(getattr(m, "scheme", None), "kernel", None) is not None})
         nbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
         return kernels, nbytes
 

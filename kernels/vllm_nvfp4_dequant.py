@@ -23,9 +23,6 @@ keep only their packed 4-bit weights, block scales and one global scale per outp
 each forward is one ``torch.ops.qerl.nvfp4_linear`` call (``kernels/nvfp4/serving.py``: the
 project's Triton W4A16 GEMMs, with a fixed config table instead of autotuning so CUDA-graph
 capture never benchmarks). CUDA only, or CPU under ``TRITON_INTERPRET=1`` (tests).
-``QERL_NVFP4_BACKEND=hybrid`` (:class:`QeRLHybridNvFp4LinearKernel`, CUDA only) does that for
-layers of at most ``serving.HYBRID_FUSED_MAX_WEIGHTS`` weights and hands larger ones to vLLM's
-Marlin kernel, which is faster there.
 
 The hook (installed by :func:`register`, the entry point of group ``vllm.general_plugins``;
 vLLM calls it once per process, including the in-process engine; the rollout engine also
@@ -77,9 +74,7 @@ logger = logging.getLogger("vllm.plugins.qerl_nvfp4_dequant")
 
 KERNEL_LOG_LINE = "QeRL NVFP4 kernel (dequantize-once, bf16 GEMM) for W4A16 FP4 layers"
 FUSED_LOG_LINE = "QeRL NVFP4 kernel (fused W4A16 Triton GEMM on the 4-bit weights) for W4A16 FP4 layers"
-HYBRID_LOG_LINE = ("QeRL NVFP4 kernel (hybrid: fused W4A16 Triton GEMM for small layers, Marlin for large) "
-                   "for W4A16 FP4 layers")
-BACKEND_ENV = "QERL_NVFP4_BACKEND"  # "dequant" / "fused" / "hybrid": take the NVFP4 layers on CUDA too
+BACKEND_ENV = "QERL_NVFP4_BACKEND"  # "dequant" / "fused": take the NVFP4 layers on CUDA too
 _PATCH_MARK = "_qerl_nvfp4_dequant_patched"
 _LOGGED: list = []  # vllm configs whose kernel choice was logged (kept alive: ids get reused)
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -248,38 +243,7 @@ def _kernel_classes():
                                             bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    class QeRLHybridNvFp4LinearKernel(QeRLFusedNvFp4LinearKernel):
-        """Per layer, the faster 4-bit kernel: the fused Triton GEMMs for layers of at most
-        `serving.HYBRID_FUSED_MAX_WEIGHTS` weights, vLLM's Marlin for larger ones (CUDA with
-        QERL_NVFP4_BACKEND=hybrid). Marlin layers are prepared and run exactly as the marlin
-        backend does (one global scale per layer, vLLM's)."""
-
-        BACKEND = "hybrid"
-        marlin = None  # the Marlin kernel this layer delegates to, if any
-
-        @classmethod
-        def is_supported(cls, compute_capability: int | None = None):
-            if current_platform.is_cuda() and cls.asked_for():
-                return True, None
-            return False, f"QeRL hybrid NVFP4 kernel: CUDA with {BACKEND_ENV}=hybrid"
-
-        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            from kernels.nvfp4 import serving
-
-            n, k = layer.weight.shape[0], 2 * layer.weight.shape[1]
-            if serving.hybrid_serves_fused(n, k):
-                return super().process_weights_after_loading(layer)
-            from vllm.model_executor.kernels.linear.nvfp4.marlin import MarlinNvFp4LinearKernel
-
-            self.marlin = MarlinNvFp4LinearKernel(self.config)
-            self.marlin.process_weights_after_loading(layer)
-
-        def apply_weights(self, layer, x, bias=None):
-            if self.marlin is not None:
-                return self.marlin.apply_weights(layer, x, bias)
-            return super().apply_weights(layer, x, bias)
-
-    return QeRLDequantNvFp4LinearKernel, QeRLFusedNvFp4LinearKernel, QeRLHybridNvFp4LinearKernel
+    return QeRLDequantNvFp4LinearKernel, QeRLFusedNvFp4LinearKernel
 
 
 def kernel_class():
@@ -290,23 +254,6 @@ def kernel_class():
 def fused_kernel_class():
     """The fused (4-bit weights, Triton GEMM) kernel class."""
     return _kernel_classes()[1]
-
-
-def hybrid_kernel_class():
-    """The hybrid (fused for small layers, Marlin for large) kernel class."""
-    return _kernel_classes()[2]
-
-
-def kernel_names(model: torch.nn.Module) -> list[str]:
-    """Class names of the kernels behind a vLLM model's quantized Linear layers; a hybrid
-    layer that hands its GEMM to Marlin reads ``QeRLHybridNvFp4LinearKernel>MarlinNvFp4LinearKernel``."""
-    found = set()
-    for m in model.modules():
-        kernel = getattr(getattr(m, "scheme", None), "kernel", None)
-        if kernel is not None:
-            inner = getattr(kernel, "marlin", None)
-            found.add(type(kernel).__name__ + (f">{type(inner).__name__}" if inner is not None else ""))
-    return sorted(found)
 
 
 def register() -> None:
@@ -322,7 +269,7 @@ def register() -> None:
     if getattr(scheme_mod, _PATCH_MARK, False):
         return
     try:
-        our_classes = (kernel_class(), fused_kernel_class(), hybrid_kernel_class())
+        our_classes = (kernel_class(), fused_kernel_class())
         orig_init = scheme_mod.init_nvfp4_linear_kernel
         scheme_cls = scheme_mod.CompressedTensorsW4A4Fp4
         orig_pwal = scheme_cls.process_weights_after_loading
@@ -341,12 +288,11 @@ def register() -> None:
         if use_a16 and usable:
             from vllm.config import get_current_vllm_config_or_none
 
-            kernel_cls = usable[-1]  # fused or hybrid when asked for, else dequantize-once
+            kernel_cls = usable[-1]  # the fused class when it is asked for, else dequantize-once
             config = get_current_vllm_config_or_none()  # log once per engine/model load
             if not any(c is config for c in _LOGGED):  # by identity: a dead config's id is reused
                 _LOGGED.append(config)
-                lines = {our_classes[1]: FUSED_LOG_LINE, our_classes[2]: HYBRID_LOG_LINE}
-                line = lines.get(kernel_cls, KERNEL_LOG_LINE)
+                line = FUSED_LOG_LINE if kernel_cls is our_classes[1] else KERNEL_LOG_LINE
                 logger.info("%s (%s)", line, kernel_cls.__name__)
             return kernel_cls(NvFp4LinearLayerConfig())
         return orig_init(use_a16, *args, **kwargs)

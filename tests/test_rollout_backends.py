@@ -64,8 +64,7 @@ def test_engine_settings_select_each_backend():
     assert engine_settings("fused") == ({}, {"QERL_NVFP4_BACKEND": "fused", "VLLM_DISABLE_COMPILE_CACHE": "1"})
     with pytest.raises(ConfigError):
         engine_settings("auto")
-    assert engine_settings("hybrid") == ({}, {"QERL_NVFP4_BACKEND": "hybrid", "VLLM_DISABLE_COMPILE_CACHE": "1"})
-    assert set(CHOICES) == {"auto", "marlin", "humming", "dequant", "fused", "hybrid"}
+    assert set(CHOICES) == {"auto", "marlin", "humming", "dequant", "fused"}
 
 
 def test_fused_is_chosen_only_by_name_until_measured():

@@ -59,14 +59,6 @@ def test_measured_table_wins_for_its_shapes(tmp_path, monkeypatch):
         serving.config_for(1, 4608, 3584, 132)
 
 
-def test_hybrid_serves_the_small_projections_itself():
-    from kernels.nvfp4 import serving
-
-    # Qwen2.5-7B as vLLM merges it: q/k/v and o fused, gate_up and down on Marlin
-    assert serving.hybrid_serves_fused(4608, 3584) and serving.hybrid_serves_fused(3584, 3584)
-    assert not serving.hybrid_serves_fused(37888, 3584) and not serving.hybrid_serves_fused(3584, 18944)
-
-
 def test_fused_backend_in_interpreter():
     from tests.conftest import interpreter_report
 

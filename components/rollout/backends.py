@@ -9,10 +9,8 @@ Backends (all serve the same weights: the NVFP4 checkpoint's dequantized values)
   costs the bf16 weight memory (plus the packed tensors). The only backend on CPUs.
 * ``fused``   – the project's own W4A16 Triton GEMMs on the packed weights
   (`kernels/nvfp4/serving.py`: a GEMV for one sequence, the split-K tensor-core kernel up to
-  32 rows, dequantize + cuBLAS above). Measured on the H200 at 1 and 16 sequences only.
-* ``hybrid``  – per layer, the faster of the two 4-bit kernels: ``fused`` for the small
-  projections (q/k/v and o: at most ``serving.HYBRID_FUSED_MAX_WEIGHTS`` weights), Marlin for
-  the MLP's. Same weight memory as Marlin.
+  32 rows, dequantize + cuBLAS above). Not measured on a GPU yet, so ``auto`` never picks it
+  (the table has no row for it); ask for it by name.
 
 ``auto`` picks from the measured table `backend_throughput.json` (written by
 ``benchmarks/rollout.py --write-table``), at the nearest measured concurrency (log scale) to
@@ -31,7 +29,7 @@ from pathlib import Path
 
 from components.common.cli import ConfigError
 
-NVFP4_BACKENDS = ("marlin", "humming", "dequant", "fused", "hybrid")
+NVFP4_BACKENDS = ("marlin", "humming", "dequant", "fused")
 CHOICES = ("auto",) + NVFP4_BACKENDS
 TABLE_PATH = Path(__file__).with_name("backend_throughput.json")
 
@@ -104,8 +102,8 @@ def engine_settings(backend: str) -> tuple[dict, dict]:
         # 0.26: KeyError 'qerl_weight_dequant' under marlin). The dequant engine neither
         # loads nor saves compiled graphs, so each backend only ever sees its own.
         return {}, {"QERL_NVFP4_BACKEND": "dequant", "VLLM_DISABLE_COMPILE_CACHE": "1"}
-    if backend in ("fused", "hybrid"):  # same compile-cache caveat as dequant
-        return {}, {"QERL_NVFP4_BACKEND": backend, "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    if backend == "fused":  # same compile-cache caveat as dequant
+        return {}, {"QERL_NVFP4_BACKEND": "fused", "VLLM_DISABLE_COMPILE_CACHE": "1"}
     if backend == "marlin":  # vLLM 0.26 forces Marlin for W4A16 under linear_backend=auto
         return {}, {"QERL_NVFP4_BACKEND": ""}
     raise ConfigError(f"unknown nvfp4 backend {backend!r}")

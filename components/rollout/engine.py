@@ -213,9 +213,15 @@ class RolloutEngine:
         """Class names of the kernels behind the model's quantized Linear layers (e.g.
         MarlinNvFp4LinearKernel on a GPU, QeRLDequantNvFp4LinearKernel on a CPU or with the
         dequant backend, QeRLFusedNvFp4LinearKernel with the fused backend)."""
-        from kernels.vllm_nvfp4_dequant import kernel_names
+        def names(model):
+            found = set()
+            for m in model.modules():
+                kernel = getattr(getattr(m, "scheme", None), "kernel", None)
+                if kernel is not None:
+                    found.add(type(kernel).__name__)
+            return sorted(found)
 
-        return self.llm.apply_model(kernel_names)[0]
+        return self.llm.apply_model(names)[0]
 
     def set_aqn(self, sigma: float, seed: int) -> int:
         """Apply AQN inside the engine's model; returns how many norms were changed."""

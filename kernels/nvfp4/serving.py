@@ -74,20 +74,6 @@ def measured_table() -> dict:
     return _load_table(path) if path else {}
 
 
-# The `hybrid` rollout backend serves a layer with these kernels when it has at most this many
-# weights (N·K), with vLLM's Marlin otherwise. From the 7B decode profile at one sequence on
-# the H200 (NOTES.md, 2026-12-04): per decoder layer these kernels take 18.5 µs on q/k/v + o
-# (13-17 M weights each) and 69 µs on gate_up + down (68-136 M); Marlin's two kernel
-# instances take 35 and 47 µs per layer, so whichever of them serves which pair, these
-# kernels win on the small projections and Marlin on the large ones.
-HYBRID_FUSED_MAX_WEIGHTS = 32 * 2**20
-
-
-def hybrid_serves_fused(n: int, k: int) -> bool:
-    """Whether the hybrid backend serves an [n, k] weight with these kernels (else Marlin)."""
-    return n * k <= HYBRID_FUSED_MAX_WEIGHTS
-
-
 def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
     """Split-K count: doubled while the programs stay within two per SM and every split keeps
     at least 2 K tiles."""
