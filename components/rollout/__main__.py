@@ -58,8 +58,8 @@ class RolloutConfig:
                                "engine start + tokens / measured tokens/s at this task's concurrency, from "
                                "components/rollout/backend_throughput.json), marlin, humming, "
                                "dequant (bf16 copy of the dequantized weights: cuBLAS speed, bf16 memory), "
-                               "or fused (the project's Triton GEMMs on the 4-bit weights; not yet measured on "
-                               "a GPU); CPUs always use dequant", metavar="NAME")
+                               "or fused (the project's Triton GEMMs on the 4-bit weights); CPUs always use "
+                               "dequant", metavar="NAME")
     max_num_seqs: int = field(256, help="most sequences the engine runs at once (the concurrency)")
     lora_kernel_configs: str = field("bundled", help="GPU: configs of vLLM's LoRA kernels: bundled "
                                      "(components/rollout/lora_configs, tuned per GPU by benchmarks/lora_kernels.py), "
