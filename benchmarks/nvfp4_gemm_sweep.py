@@ -13,8 +13,8 @@ Grids (`--grid`, several allowed):
   tc-m16   the tensor-core kernel at M = 16: BLOCK_N, BLOCK_K, split, stages, the input
            permuted outside the kernel (A_PREPERM; timed with and without that permute) and
            evict_first weight loads (EVICT_W)
-  tc-deep  the tensor-core kernel at M = 1 and 16 with 3-8 pipeline stages and 4 or 8 warps:
-           the kernel is latency-bound at M ≤ 16 (NOTES.md), so more loads in flight
+  tc-deep  the tensor-core kernel at M = 1 and 16 with 3-8 pipeline stages and 4 or 8 warps
+           (more loads in flight; on the H200 no better than 4 stages and 4 warps, NOTES.md)
 
 Shapes (`--shapes`): vllm-7b (default: Qwen2.5-7B as vLLM runs it, merged qkv and gate_up),
 learner-7b (the separate projections), or NxK entries.
