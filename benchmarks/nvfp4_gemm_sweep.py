@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         earlier = json.loads(args.merge_rows.read_text())
         names = {name for name, _, _ in shapes}
         rows = rows + [r for r in earlier if r["shape"] in names and r["M"] in ms and r["kernel"] == "nvfp4"
-                       and not r.get("PREFETCH")]  # a GEMV variant measured on 2026-12-04 and dropped
+                       and runnable(r)]
     if args.serving_table:
         write_serving_table(args.serving_table, rows, shapes, ms)
     print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s. Best correct configs (rel. error < 1e-2):")
@@ -211,11 +211,19 @@ def main(argv=None) -> int:
 
 CONFIG_KEYS = ("GEMV", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "SPLIT_K", "num_warps", "num_stages",
                "A_PREPERM", "EVICT_W")
+ROW_KEYS = ("shape", "N", "K", "M", "kernel", "kernel_only", "us", "pct_bw", "rel_err", "error")
+
+
+def runnable(row: dict) -> bool:
+    """Whether a (possibly older) row's config is one today's kernels take: no option set that
+    has since been dropped (e.g. the GEMV's PREFETCH, measured on 2026-12-04 and removed)."""
+    return not any(v for k, v in row.items() if k not in CONFIG_KEYS and k not in ROW_KEYS)
 
 
 def write_serving_table(path: Path, rows: list, shapes, ms) -> None:
     """Per shape and M, the fastest correct config (the input permute counted) that beats cuBLAS."""
     import torch
+    import triton
 
     configs = {}
     for name, N, K in shapes:
@@ -228,9 +236,8 @@ def write_serving_table(path: Path, rows: list, shapes, ms) -> None:
                 cfg = {k: best[k] for k in CONFIG_KEYS if k in best}
                 configs.setdefault(f"{N}x{K}", []).append(
                     [M, dict(cfg, us=best["us"], cublas_bf16_us=cb["us"])])
-    path.write_text(json.dumps({"measured_on": f"{torch.cuda.get_device_name()}, triton "
-                                               f"{__import__('triton').__version__}, benchmarks/nvfp4_gemm_sweep.py, "
-                                               f"{time.strftime('%Y-%m-%d')}",
+    path.write_text(json.dumps({"measured_on": f"{torch.cuda.get_device_name()}, triton {triton.__version__}, "
+                                               f"benchmarks/nvfp4_gemm_sweep.py, {time.strftime('%Y-%m-%d')}",
                                 "configs": configs}, indent=1) + "\n")
     print(f"wrote {path} ({sum(len(v) for v in configs.values())} entries)")
 
