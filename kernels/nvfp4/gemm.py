@@ -76,23 +76,46 @@ __all__ = [
 # A code's 3 magnitude bits go to bf16 bits 6-8 (mantissa msb + 2 low exponent bits) and its
 # sign to bit 15: that is E2M1(code) · 2^-126 exactly (code 1 lands on the subnormal 2^-127),
 # so the scale operand carries s · 2^118 and the epilogue multiplies by 2^8 (`_SCALE_BIAS`).
-# 2 prmt + 8 × (2 shifts, lop3, and) + 4 bf16x2 fma for 8 weights, against ~12 integer ops per
-# weight for the portable decode below.
-def _decode_ptx() -> str:
-    """The PTX of `_DECODE_ASM`: one shift/lop3/and/fma group per output register."""
-    lines = ["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;",
-             "prmt.b32 t01, $4, $4, 0x1100;", "prmt.b32 t23, $4, $4, 0x3322;"]
-    # (output, byte pair, magnitude shift, sign shift, scale): low nibbles (bits 0-3 of each
-    # 16-bit half) need << 6 and << 12, high nibbles (bits 4-7) << 2 and << 8.
-    for out, src, mag, sign, scale in ((0, "t01", 6, 12, 5), (1, "t23", 6, 12, 6),
-                                       (2, "t01", 2, 8, 5), (3, "t23", 2, 8, 6)):
-        lines += [f"shl.b32 x, {src}, {mag};", f"shl.b32 y, {src}, {sign};",
-                  "lop3.b32 x, x, y, 0x01C001C0, 0xE4;", "and.b32 x, x, 0x81C081C0;",
-                  f"fma.rn.bf16x2 ${out}, x, ${scale}, z;"]
+# One prmt spreads bytes (0,1) to bits 0-7 and 16-23 of a word with zero bytes between; then
+# a low code needs << 12 (sign to bit 15) and << 6 (magnitude to bits 6-8), and the zero bytes
+# keep both shifted words clean where the other one's bits land, so one lop3 ((x | y) & mask)
+# finishes the pair; a high code needs << 8 and << 2 after an and that drops the low codes
+# (whose lowest bit << 8 would land on bit 8). 2 prmt + 2 × 3 + 2 × 4 + 4 bf16x2 fma = 20
+# instructions for 8 weights.
+def _decode_ptx(scales=(5, 6)) -> str:
+    """The PTX of `_DECODE_ASM`: one shift/shift/lop3 (+ and) group per output register.
+    `scales`: the operands holding the scale of bytes (0,1) and (2,3) as bf16x2."""
+    lines = ["{", ".reg .b32 t01, t23, x, y, u, z, o;", "mov.b32 z, 0x80008000;", "mov.b32 o, 0;",
+             "prmt.b32 t01, $4, o, 0x4140;", "prmt.b32 t23, $4, o, 0x4342;"]
+    for out, src, scale in ((0, "t01", scales[0]), (1, "t23", scales[1])):  # low codes: bits 0-3 of a half
+        lines += [f"shl.b32 x, {src}, 12;", f"shl.b32 y, {src}, 6;",
+                  "lop3.b32 x, x, y, 0x81C081C0, 0xA8;", f"fma.rn.bf16x2 ${out}, x, ${scale}, z;"]
+    for out, src, scale in ((2, "t01", scales[0]), (3, "t23", scales[1])):  # high codes: bits 4-7
+        lines += [f"and.b32 u, {src}, 0x00F000F0;", "shl.b32 x, u, 8;", "shl.b32 y, u, 2;",
+                  "lop3.b32 x, x, y, 0x81C081C0, 0xA8;", f"fma.rn.bf16x2 ${out}, x, ${scale}, z;"]
     return "\n" + "\n".join(lines + ["}"]) + "\n"
 
 
 _DECODE_ASM = tl.constexpr(_decode_ptx())
+# The forward's decode (`_decode_tile_kperm`): one 32-bit word of packed bytes c0..c3 → 8 bf16
+# outputs, times the block scale. $8 the word, $9 s · 2^118 twice as bf16x2; outputs $0..$7 are
+# 16-bit, index 4ν + 2j + h = the code of nibble ν (0 low, 1 high) of byte c = j + 2h, so each
+# output pair ($2i, $2i+1) is one bf16x2 register: the same nibble of bytes (0, 2) or (1, 3),
+# which sit 16 bits apart. A pair's two codes, masked out (and), go to their places with one
+# multiply that is two shifts and an or, since the shifted copies do not overlap: low codes
+# (bits 0-3 of a half) · (2^12 + 2^6) put the sign on bit 15 and the magnitude on bits 6-8,
+# high codes (bits 4-7) · (2^8 + 2^2) the same; an and keeps those bits. Bytes 1, 3 take one
+# shift first. 1 + 4 × (and, mul, and, fma) = 17 instructions for 8 weights, no prmt.
+def _decode_word_ptx() -> str:
+    lines = ["{", ".reg .b32 v, x, z;", "mov.b32 z, 0x80008000;", "shr.b32 v, $8, 8;"]
+    for outs, src, keep, mul in (((0, 1), "$8", "0x000F000F", 4160), ((2, 3), "v", "0x000F000F", 4160),
+                                 ((4, 5), "$8", "0x00F000F0", 260), ((6, 7), "v", "0x00F000F0", 260)):
+        lines += [f"and.b32 x, {src}, {keep};", f"mul.lo.u32 x, x, {mul};", "and.b32 x, x, 0x81C081C0;",
+                  "fma.rn.bf16x2 x, x, $9, z;", f"mov.b32 {{${outs[0]}, ${outs[1]}}}, x;"]
+    return "\n" + "\n".join(lines + ["}"]) + "\n"
+
+
+_DECODE_WORD_ASM = tl.constexpr(_decode_word_ptx())
 
 
 def _decode_f32_ptx() -> str:
@@ -184,36 +207,49 @@ def _decode_tile(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexp
 
 
 @triton.jit
-def _decode_tile_kperm(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr):
-    """`_decode_tile` for a K-permuted tile: bytes b uint8 [BR, G*8] in memory order + e4m3
-    bytes sc uint8 [BR, G] → the weights [BR, G*16] in the reduction order p of `_kperm`.
+def _decode_tile_kperm(w, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr):
+    """`_decode_tile` for a K-permuted tile: its packed bytes as int32 words w [BR, G*2] in
+    memory order + e4m3 bytes sc uint8 [BR, G] → the weights [BR, G*16] in the reduction order
+    p of `_kperm`.
 
-    Byte i of the tile holds elements k = 2i, 2i+1. Viewed as [BR, 4 (l), G (g), 2 (j)]
-    (i = 2G·l + 2g + j) it decodes to [BR, l, g, j, h] with k = 4G·l + 4g + 2j + h and block
-    scale k // 16 = (G/4)·l + g // 4; reordered to [BR, g, j, l, h] that is position
-    p = 16g + 8j + 2l + h. In wgmma's A fragment a thread holds positions 16g + 2l + {0,1,8,9}
-    of a row for every g, which are then its 2G contiguous bytes 2G·l … 2G·l + 2G - 1."""
-    s = _scale_f32(sc, GPU_MATH)  # [BR, G]: (l, g // 4) in memory order
-    s = tl.broadcast_to(tl.reshape(s, (BR, 4, G // 4, 1, 1)), (BR, 4, G // 4, 4, 2))
-    s = tl.reshape(s, (BR, 4, G, 2))
-    b = tl.reshape(b, (BR, 4, G, 2))
+    Word 4G·l/8 + q of a row holds bytes i = 2G·l + 4q + c (c = 0..3), and byte i elements
+    k = 2i + ν (ν = 0: low nibble, 1: high). With c = j + 2h that is k = 4G·l + 8q + 4h + 2j + ν,
+    block scale k // 16 = (G/4)·l + q // 2, and the tile goes to position
+    p = 16(2q + ν) + 8j + 2l + h. In wgmma's A fragment a thread holds positions
+    16g + 2l + {0, 1, 8, 9} of a row for every g: its 2G contiguous bytes 2G·l … 2G·l + 2G - 1,
+    i.e. G/2 whole words. Each of its 32-bit fragment registers (positions p, p + 1, h = 0, 1)
+    is then one bf16x2 output of `_DECODE_WORD_ASM`, so nothing is repacked."""
+    s = _scale_f32(sc, GPU_MATH)  # [BR, G]: (l, q // 2) in memory order
+    if GPU_MATH:  # s · 2^118 as bf16, twice in one 32-bit word
+        s = (s * _TWO_POW_118).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s = s | (s << 16)
+    s = tl.reshape(tl.broadcast_to(tl.reshape(s, (BR, 4, G // 4, 1)), (BR, 4, G // 4, 2)), (BR, 4, G // 2))
+    w = tl.reshape(w, (BR, 4, G // 2))
     if GPU_MATH:
-        lo, hi = tl.inline_asm_elementwise(
-            _DECODE_ASM, "=r,=r,=r,=r,r,r,r", [b, (s * _TWO_POW_118).to(tl.bfloat16)],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        bi = b.to(tl.int32)
-        lo = _e2m1_fp32(bi & 15) * s
-        hi = _e2m1_fp32(bi >> 4) * s
-    w = tl.permute(tl.join(lo, hi), (0, 2, 3, 1, 4))  # [BR, g, j, l, h]
-    return tl.reshape(w, (BR, G * 16))
+        l00, l01, l10, l11, h00, h01, h10, h11 = tl.inline_asm_elementwise(
+            _DECODE_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, s],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:  # code of nibble ν of byte c = j + 2h: bits 8c + 4ν
+        l00 = _e2m1_fp32((w >> 0) & 15) * s
+        l01 = _e2m1_fp32((w >> 16) & 15) * s
+        l10 = _e2m1_fp32((w >> 8) & 15) * s
+        l11 = _e2m1_fp32((w >> 24) & 15) * s
+        h00 = _e2m1_fp32((w >> 4) & 15) * s
+        h01 = _e2m1_fp32((w >> 20) & 15) * s
+        h10 = _e2m1_fp32((w >> 12) & 15) * s
+        h11 = _e2m1_fp32((w >> 28) & 15) * s
+    # names: (l|h) = ν, then j, then h
+    lo = tl.join(tl.join(l00, l01), tl.join(l10, l11))  # [BR, l, q, h, j]
+    hi = tl.join(tl.join(h00, h01), tl.join(h10, h11))
+    x = tl.permute(tl.join(lo, hi), (0, 2, 5, 4, 1, 3))  # [BR, l, q, h, j, ν] → [BR, q, ν, j, l, h]
+    return tl.reshape(x, (BR, G * 16))
 
 
 @triton.jit
 def _kperm(a, BR: tl.constexpr, G: tl.constexpr):
     """Columns of a [BR, G*16] in the reduction order p of `_decode_tile_kperm`:
-    column k = 4G·l + 4g + 2j + h moves to p = 16g + 8j + 2l + h."""
-    a = tl.permute(tl.reshape(a, (BR, 4, G, 2, 2)), (0, 2, 3, 1, 4))
+    column k = 4G·l + 8q + 4h + 2j + ν moves to p = 16(2q + ν) + 8j + 2l + h."""
+    a = tl.permute(tl.reshape(a, (BR, 4, G // 2, 2, 2, 2)), (0, 2, 5, 4, 1, 3))
     return tl.reshape(a, (BR, G * 16))
 
 
@@ -273,12 +309,14 @@ def _w4a16_kernel(
         GW: tl.constexpr = BLOCK_K // 16
         rows = rn.to(tl.int64)
         grp = kt0 * GW + tl.arange(0, GW)
-        if PERMUTE_K:  # the tile's bytes in memory order, [BLOCK_N, BLOCK_K / 2]
-            p_ptrs = packed_ptr + rows[:, None] * stride_w + (kt0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2))[None, :]
+        if PERMUTE_K:  # the tile's bytes in memory order as int32 words, [BLOCK_N, BLOCK_K / 8]
+            p_ptrs = (packed_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_w // 4)
+                      + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :])
+            p_step = BLOCK_K // 8
         else:
             p_ptrs = packed_ptr + rows[:, None, None] * stride_w + (grp[None, :, None] * 8 + j8[None, None, :])
+            p_step = BLOCK_K // 2
         s_ptrs = scale_ptr + rows[:, None] * stride_s + grp[None, :]
-        p_step = BLOCK_K // 2
         s_step = GW
         row_ok = rn < R
 
@@ -615,10 +653,10 @@ def _check(name, a, weight_packed, weight_scale, weight_global_scale, a_dim_is_k
 
 def _permute_input(a2: torch.Tensor, block_k: int) -> torch.Tensor:
     """x [M, K] with each BLOCK_K chunk's columns in the forward's reduction order p
-    (`_kperm`: column k = 4G·l + 4g + 2j + h goes to p = 16g + 8j + 2l + h), contiguous."""
+    (`_kperm`: column k = 4G·l + 8q + 4h + 2j + ν goes to p = 16(2q + ν) + 8j + 2l + h), contiguous."""
     m, k = a2.shape
     g = block_k // 16
-    return a2.reshape(m, k // block_k, 4, g, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k).contiguous()
+    return a2.reshape(m, k // block_k, 4, g // 2, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(m, k).contiguous()
 
 
 def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool, cfg: dict) -> None:
