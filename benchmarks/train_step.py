@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (prompt 64 + completion)")
     ap.add_argument("--base", choices=["nvfp4", "bf16", "both"], default="both")
     ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--micro-batch-seqs", type=int, nargs="+", default=[2], metavar="N",
+                    help="sequences per forward/backward micro-batch (the stage's micro_batch_tokens = N x seq-len); "
+                         "several values: one run per value and base")
     ap.add_argument("--epochs", type=int, default=1, help="optimizer steps over the batch (the first pays one-time costs)")
     ap.add_argument("--cudnn-attention", action="store_true", help="let SDPA use cuDNN attention (the stage's cudnn_attention)")
     ap.add_argument("--dequant-prefetch", choices=["on", "off", "both"], default="on",
@@ -81,10 +84,11 @@ def main() -> None:
     rollouts, rewards = make_shards(work, vocab, args.seqs, args.seq_len)
     rows = []
     prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.dequant_prefetch]
-    for base, pf in [(b, p) for b in bases for p in (prefetch if b == "nvfp4" else [False])]:
+    runs = [(b, p, mb) for mb in args.micro_batch_seqs for b in bases for p in (prefetch if b == "nvfp4" else [False])]
+    for base, pf, mb in runs:
         out = work / f"adapter-{base}-{int(time.time())}"
         cfg = json.dumps({"lora_rank": args.lora_rank, "lora_alpha": 2 * args.lora_rank, "gradient_checkpointing": True,
-                          "micro_batch_tokens": 2 * args.seq_len, "tis_cap": 2.0, "epochs": args.epochs,
+                          "micro_batch_tokens": mb * args.seq_len, "tis_cap": 2.0, "epochs": args.epochs,
                           "cudnn_attention": args.cudnn_attention, "dequant_prefetch": pf,
                           "manual_gc": not args.auto_gc})
         t0 = time.time()
@@ -95,6 +99,7 @@ def main() -> None:
                                         **({"QERL_SYNC_DEBUG": "1"} if args.sync_debug else {})})
         m = json.loads((out / "metrics.json").read_text())
         rows.append({"shape": args.shape, "base": base, "tokens": args.seqs * args.seq_len,
+                     "micro_batch_tokens": mb * args.seq_len,
                      "update_tok_s": round(m["tokens_per_s"], 1), "update_s": round(m["seconds_update"], 2),
                      "epoch_s": [round(e["seconds"], 2) for e in m["epochs"]], "cudnn_attention": args.cudnn_attention,
                      "dequant_prefetch": pf, "logp_old_s": round(m["seconds_logp_old"], 2), "stage_wall_s": round(time.time() - t0, 1),
