@@ -13,6 +13,8 @@ Grids (`--grid`, several allowed):
   tc-m16   the tensor-core kernel at M = 16: BLOCK_N, BLOCK_K, split, stages, the input
            permuted outside the kernel (A_PREPERM; timed with and without that permute) and
            evict_first weight loads (EVICT_W)
+  tc-split the tensor-core kernel at M = 1 and 16 with 6-16 K splits (BLOCK_N 64): the shapes
+           with few output tiles (o, qkv, down) were fastest at the largest split of tc-m1
   tc-deep  the tensor-core kernel at M = 1 and 16 with 3-8 pipeline stages and 4 or 8 warps
            (more loads in flight; on the H200 no better than 4 stages and 4 warps, NOTES.md)
 
@@ -68,13 +70,17 @@ def grid(name: str) -> list[tuple[int, dict]]:
                                                                    (False, True), (False, True)):
             out.append((16, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=4,
                                  num_stages=stages, A_PREPERM=pre, EVICT_W=evict)))
+    elif name == "tc-split":  # more K splits for the shapes with few output tiles (o, qkv, down)
+        for m, bk, split, stages in itertools.product((1, 16), (128, 256), (6, 8, 12, 16), (3, 4)):
+            out.append((m, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=4,
+                                num_stages=stages)))
     elif name == "tc-deep":  # deeper pipelines and more warps, at the M of both decode regimes
         for m, bn, bk, stages, warps, split in itertools.product((1, 16), (64, 128), (128, 256), (3, 5, 6, 8), (4, 8),
                                                                   (1, 2, 4)):
             out.append((m, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=warps,
                                 num_stages=stages)))
     else:
-        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-deep")
+        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-deep")
     return out
 
 
