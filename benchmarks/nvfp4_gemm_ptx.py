@@ -9,10 +9,11 @@ memory instructions in the PTX (byte vs vector shared-memory loads, cp.async, sh
 barriers): the figures that explained the forward's byte loads (kernels/nvfp4/NOTES.md,
 fourth session). Also the SASS instruction count of the main K loop and its opcode mix
 (`cuobjdump -sass` of triton's cubin): divided by the weights a thread handles per step it
-is the issue cost per weight (NOTES.md, sixth session). Integer arguments are marked divisible by 16 and stride_ak == 1, as triton
-specializes them for real shapes. Use the triton version of the GPU image (3.6 on the H200
-machine, e.g. `pip install --target /tmp/t36 triton==3.6.0` and PYTHONPATH=/tmp/t36): layouts
-and pipelining differ between versions. Uses triton's compiler API (ASTSource, GPUTarget),
+is the issue cost per weight (NOTES.md, sixth session). Integer arguments are marked
+divisible by 16 and stride_ak == 1, as triton specializes them for real shapes, and
+N_OUT % BLOCK_N == 0 (EVEN_N, true of every vLLM 7B shape). Use the triton version of the GPU
+image (3.6 on the H200 machine, e.g. `pip install --target /tmp/t36 triton==3.6.0` and
+PYTHONPATH=/tmp/t36): layouts and pipelining differ between versions. Uses triton's compiler API (ASTSource, GPUTarget),
 which is not a stable interface.
 """
 from __future__ import annotations
@@ -74,7 +75,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         consts = {"HAS_BIAS": False, "GPU_MATH": True, **cfg}
     else:
         fn = gemm._w4a16_kernel
-        consts = {"TRANS_W": trans_w, "HAS_BIAS": False, "GROUP_M": 8, "EVEN_K": True, "GPU_MATH": True,
+        consts = {"TRANS_W": trans_w, "HAS_BIAS": False, "GROUP_M": 8, "EVEN_K": True, "EVEN_N": True, "GPU_MATH": True,
                   "PERMUTE_K": cfg.pop("PERMUTE_K", True) and gemm._permute_k(trans_w, bk, bk), "stride_ak": 1,
                   **cfg}
     # constexpr parameters with a default (A_PREPERM, EVICT_W, G_PER_ROW) take it unless given

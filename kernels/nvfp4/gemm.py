@@ -266,6 +266,7 @@ def _w4a16_kernel(
     A_PREPERM: tl.constexpr = False,  # PERMUTE_K: the input arrives in order p (`_permute_input`)
     EVICT_W: tl.constexpr = False,  # weight loads marked evict_first (read once)
     G_PER_ROW: tl.constexpr = False,  # forward: one global scale per W row (vLLM's fused shards)
+    EVEN_N: tl.constexpr = False,  # K-permuted forward: N_OUT % BLOCK_N == 0, the weight loads need no mask
 ):
     # ---- tile of the output (grouped order: GROUP_M row-tiles share a column-tile in L2)
     pid = tl.program_id(0)
@@ -350,6 +351,9 @@ def _w4a16_kernel(
                 if EVICT_W:
                     b = tl.load(p_ptrs, mask=wmask, other=0, eviction_policy="evict_first")
                     sc = tl.load(s_ptrs, mask=wmask, other=0, eviction_policy="evict_first")
+                elif EVEN_N:  # no mask: 17 fewer instructions per K step (16x64x128)
+                    b = tl.load(p_ptrs)
+                    sc = tl.load(s_ptrs)
                 else:
                     b = tl.load(p_ptrs, mask=wmask, other=0)
                     sc = tl.load(s_ptrs, mask=wmask, other=0)
@@ -598,6 +602,7 @@ def _tuned_kernel():
             key=["M_BUCKET", "N_OUT", "RED", "TRANS_W", "HAS_BIAS"],
             prune_configs_by={"early_config_prune": _prune},
         )(triton.heuristics({"EVEN_K": lambda a: a["RED"] % a["BLOCK_K"] == 0,
+                             "EVEN_N": lambda a: a["N_OUT"] % a["BLOCK_N"] == 0,
                              "PERMUTE_K": lambda a: _permute_k(a["TRANS_W"], a["RED"], a["BLOCK_K"])})
           (_w4a16_kernel))
     return _autotuned
@@ -719,7 +724,7 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
         _w4a16_kernel[(tiles, split)](
             a2, packed, scale, g, bias_arg, out, ws, cnt,
             M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), packed.stride(0),
-            scale.stride(0), split, m_bucket, EVEN_K=(red % bk == 0),
+            scale.stride(0), split, m_bucket, EVEN_K=(red % bk == 0), EVEN_N=(n_out % bn == 0),
             PERMUTE_K=cfg.pop("PERMUTE_K", True) and _permute_k(trans_w, red, bk), **common, **cfg,
         )
     else:
