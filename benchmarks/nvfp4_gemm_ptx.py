@@ -68,6 +68,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     gemm._HW_E4M3 = triton.language.constexpr(True)  # compiling for sm_90a, whatever this machine has
     cfg = dict(cfg)
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1 if cfg.get("GEMV") else 3)
+    regs = {"maxnreg": cfg.pop("maxnreg")} if "maxnreg" in cfg else {}  # a cap for ptxas, as at launch
     cfg.pop("SPLIT_K", None)  # a runtime argument
     bk = cfg["BLOCK_K"]
     if cfg.pop("GEMV", False):  # the CUDA-core forward for one input row
@@ -86,7 +87,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     div16 = [n for n in (*PTRS, *INTS) if n in names and n not in ("M", "SPLIT_K", "M_BUCKET")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, **regs})
     ptx = k.asm["ptx"]
     # the newest ptxas triton ships: an older one may not know the PTX version triton emits
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"

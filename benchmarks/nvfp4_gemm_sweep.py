@@ -15,6 +15,8 @@ Grids (`--grid`, several allowed):
            evict_first weight loads (EVICT_W)
   tc-split the tensor-core kernel at M = 1 and 16 with 6-16 K splits (BLOCK_N 64): the shapes
            with few output tiles (o, qkv, down) were fastest at the largest split of tc-m1
+  tc-reg   the 16x64x128 tile at M = 1 and 16 with ptxas capped at 72 or 80 registers per thread
+           (`maxnreg`: 7 or 6 CTAs of 4 warps per SM instead of 5 at 83)
   tc-deep  the tensor-core kernel at M = 1 and 16 with 3-8 pipeline stages and 4 or 8 warps
            (more loads in flight; on the H200 no better than 4 stages and 4 warps, NOTES.md)
 
@@ -74,13 +76,17 @@ def grid(name: str) -> list[tuple[int, dict]]:
         for m, bk, split, stages in itertools.product((1, 16), (128, 256), (6, 8, 12, 16), (3, 4)):
             out.append((m, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=4,
                                 num_stages=stages)))
+    elif name == "tc-reg":  # the 16x64x128 tile capped at 80 or 72 registers (6 or 7 CTAs per SM)
+        for m, split, stages, regs in itertools.product((1, 16), (1, 2, 4, 8), (3, 4), (72, 80)):
+            out.append((m, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, SPLIT_K=split, num_warps=4,
+                                num_stages=stages, maxnreg=regs)))
     elif name == "tc-deep":  # deeper pipelines and more warps, at the M of both decode regimes
         for m, bn, bk, stages, warps, split in itertools.product((1, 16), (64, 128), (128, 256), (3, 5, 6, 8), (4, 8),
                                                                   (1, 2, 4)):
             out.append((m, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=warps,
                                 num_stages=stages)))
     else:
-        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-deep")
+        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-reg, tc-deep")
     return out
 
 
@@ -216,7 +222,7 @@ def main(argv=None) -> int:
 
 
 CONFIG_KEYS = ("GEMV", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "SPLIT_K", "num_warps", "num_stages",
-               "A_PREPERM", "EVICT_W")
+               "maxnreg", "A_PREPERM", "EVICT_W")
 ROW_KEYS = ("shape", "N", "K", "M", "kernel", "kernel_only", "us", "pct_bw", "rel_err", "error")
 
 
