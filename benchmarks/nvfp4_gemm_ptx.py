@@ -87,7 +87,8 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     div16 = [n for n in (*PTRS, *INTS) if n in names and n not in ("M", "SPLIT_K", "M_BUCKET")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, **regs})
+    options = {"num_warps": warps, "num_stages": stages, **regs}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = k.asm["ptx"]
     # the newest ptxas triton ships: an older one may not know the PTX version triton emits
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"

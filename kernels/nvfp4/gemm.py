@@ -18,12 +18,13 @@ result is rounded to bf16 (nearest even). This is the exact product with the flo
 dequantized weight, i.e. slightly *more* accurate than multiplying by the bf16-rounded Ŵ that
 `reference.dequantize` returns (they differ by ≤ 2⁻⁹ relative per weight element).
 
-Decoding. On the GPU, inline PTX (`_DECODE_ASM`, 2.9 instructions per weight) produces
-E2M1 · s · 2^-8 in bf16 (exact) and the epilogue multiplies by 2^8; the CPU interpreter,
-which cannot run PTX, uses an integer decode in float32: an E2M1 code c becomes the bf16 bit
-pattern (c&7 >= 2 ? ((c&7) << 6) + 0x3F00 : (c&7) · 0x3F00) | (c&8) << 12. Both give the same
-products. The e4m3 scale bytes are loaded as uint8 and decoded with
-`triton_kernels._e4m3_decode` (no fp8 dtype). Measured speeds and what limits them: NOTES.md.
+Decoding. On the GPU, inline PTX (`_DECODE_WORD_ASM` in the forward, 17 instructions per 8
+weights; `_DECODE_ASM` in dX, 20) produces E2M1 · s · 2^-8 in bf16 (exact) and the epilogue
+multiplies by 2^8; the CPU interpreter, which cannot run PTX, uses an integer decode in
+float32: an E2M1 code c becomes the bf16 bit pattern
+(c&7 >= 2 ? ((c&7) << 6) + 0x3F00 : (c&7) · 0x3F00) | (c&8) << 12. Both give the same products.
+The e4m3 scale bytes are loaded as uint8 and decoded with `triton_kernels._e4m3_decode` (no fp8
+dtype). Measured speeds and what limits them: NOTES.md.
 
 One kernel serves both directions. The weight tile is always read as [rows of W, columns of
 W], with the two codes of a byte adjacent along W's columns (K): in the forward the columns
@@ -699,6 +700,8 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
             out += bias.to(out.dtype)
         return out.reshape(*lead, n_out)
     packed = weight_packed.contiguous()
+    if packed.data_ptr() % 4:  # the K-permuted forward reads the bytes as int32 words
+        packed = packed.clone()
     scale = weight_scale.contiguous().view(torch.uint8)
     g = weight_global_scale.reshape(-1).contiguous()  # [1], or [N] in the forward (G_PER_ROW)
     has_bias = bias is not None
