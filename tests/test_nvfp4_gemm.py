@@ -273,6 +273,19 @@ def _interpreter_check() -> dict:
         expect(f"per-row global scale {tag}", gemm.linear_w4a16(x_, packed, scale, g_rows, _config=cfg),
                want_ref[: x_.shape[0]], x_.double() @ w64.t(), (x_.shape[0], 48))
 
+    # a packed weight at an odd address (a view into a byte buffer): the K-permuted forward reads
+    # int32 words, so the launcher copies it to an aligned tensor first
+    q = make_weight(32, 512, 97)
+    buf = torch.zeros(q.weight_packed.numel() + 1, dtype=torch.uint8)
+    odd = buf[1:].view(q.weight_packed.shape)
+    odd.copy_(q.weight_packed)
+    assert odd.data_ptr() % 4
+    w64 = ref.dequantize(*q, dtype=torch.float32).double()
+    x = torch.randn(5, 512, generator=gen).bfloat16()
+    cfg = dict(base, BLOCK_N=16, BLOCK_K=128, SWAP_AB=True, SPLIT_K=1)
+    expect("linear packed at an odd address", gemm.linear_w4a16(x, odd, *q[1:], _config=cfg),
+           gemm.reference_linear(x, *q), x.double() @ w64.t(), (5, 32))
+
     # the input permuted outside the kernel (A_PREPERM) and evict_first weight loads: same result
     q = make_weight(32, 512, 98)
     w64 = ref.dequantize(*q, dtype=torch.float32).double()
