@@ -77,7 +77,8 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     else:
         fn = gemm._w4a16_kernel
         consts = {"TRANS_W": trans_w, "HAS_BIAS": False, "GROUP_M": 8, "EVEN_K": True, "EVEN_N": True, "GPU_MATH": True,
-                  "PERMUTE_K": cfg.pop("PERMUTE_K", True) and gemm._permute_k(trans_w, bk, bk), "stride_ak": 1,
+                  "PERMUTE_K": (perm := cfg.pop("PERMUTE_K", True) and gemm._permute_k(trans_w, bk, bk)),
+                  "SCALE_PAIRS": cfg.pop("SCALE_PAIRS", True) and perm and bk >= 128, "stride_ak": 1,
                   **cfg}
     # constexpr parameters with a default (A_PREPERM, EVICT_W, G_PER_ROW) take it unless given
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
@@ -106,6 +107,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         tag = "_".join(f"{v}" for v in (("dx" if trans_w else "fwd"), *cfg.values(), warps, stages))
         (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
         (out / f"{tag}.ptx").write_text(ptx)
+        (out / f"{tag}.cubin").write_bytes(k.asm["cubin"])  # cuobjdump -sass FILE for the SASS
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, info)) else None  # noqa: E731
     loop = sass_main_loop(k.asm["cubin"], bin_dir)
     return {"registers": num(r"Used (\d+) registers"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
@@ -124,7 +126,7 @@ def main() -> int:
                          "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K); "
                          "repeat for several")
     ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
-    ap.add_argument("--out", type=Path, help="also write each config's TTGIR and PTX here")
+    ap.add_argument("--out", type=Path, help="also write each config's TTGIR, PTX and cubin here")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)

@@ -85,8 +85,20 @@ def grid(name: str) -> list[tuple[int, dict]]:
                                                                   (1, 2, 4)):
             out.append((m, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=True, SPLIT_K=split, num_warps=warps,
                                 num_stages=stages)))
+    elif name == "ab-pairs":  # the serving table's tensor-core configs with and without SCALE_PAIRS
+        from kernels.nvfp4 import serving
+        seen = set()
+        for entries in serving.measured_table().values():
+            for m, c in entries:
+                c = {k: v for k, v in c.items() if k not in serving.MEASURED_KEYS}
+                key = json.dumps(c, sort_keys=True)
+                if c.get("GEMV") or key in seen:
+                    continue
+                seen.add(key)
+                for pairs in (True, False):
+                    out.append((m, dict(c, SCALE_PAIRS=pairs)))
     else:
-        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-reg, tc-deep")
+        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-reg, tc-deep, ab-pairs")
     return out
 
 
@@ -222,7 +234,7 @@ def main(argv=None) -> int:
 
 
 CONFIG_KEYS = ("GEMV", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "SPLIT_K", "num_warps", "num_stages",
-               "maxnreg", "A_PREPERM", "EVICT_W")
+               "maxnreg", "A_PREPERM", "EVICT_W", "SCALE_PAIRS")
 ROW_KEYS = ("shape", "N", "K", "M", "kernel", "kernel_only", "us", "pct_bw", "rel_err", "error")
 
 

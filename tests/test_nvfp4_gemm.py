@@ -130,6 +130,9 @@ def test_forward_reads_whole_vectors_of_its_tile_on_hopper():
     # (was 333 in all, 62 of them PRMT, before)
     assert permuted["sass_loop_instructions"] <= 275, permuted
     assert permuted["sass_loop_ops"].get("PRMT", 0) <= 16, permuted
+    # SCALE_PAIRS: a thread's two block scales of a row come in as one 16-bit load, not two bytes
+    assert permuted["memory_instructions"].get("ld.shared.b16", 0) >= 2, permuted
+    assert "ld.shared.v2.b8" not in permuted["memory_instructions"], permuted
 
 
 def test_gemv_compiles_to_a_lean_loop_on_hopper():
@@ -154,6 +157,50 @@ def test_gemv_compiles_to_a_lean_loop_on_hopper():
         assert r["spill_store_bytes"] == 0 and r["wgmma"] == 0 and shuffles <= 16, r
         assert 0 < r["sass_loop_instructions"] / per_thread < 8, r
         assert r["sass_loop_ops"].get("FFMA", 0) >= per_thread, r  # one FFMA per weight, no tree adds
+
+
+def test_pdl_kernels_wait_before_touching_the_input_or_output(tmp_path):
+    """Compiled for sm_90a without a GPU: with PDL (programmatic dependent launch, the serving
+    op's default) a kernel may run while the previous one in the stream still reads and writes
+    memory, so the forward and the GEMV may only prefetch their own weight to L2 before
+    `griddepcontrol.wait`: no global load, store, atomic or cp.async before it."""
+    import os
+    import re
+    import subprocess
+
+    cfgs = ['{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"num_warps":4,"num_stages":4,"PDL":true}',
+            '{"GEMV":true,"BLOCK_N":64,"BLOCK_K":128,"num_warps":4,"PDL":true}']
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), "--out", str(tmp_path),
+                           *(a for c in cfgs for a in ("--config", c))],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ptxs = sorted(tmp_path.glob("*.ptx"))
+    assert len(ptxs) == 2, ptxs
+    for ptx in ptxs:
+        text = ptx.read_text()
+        assert text.count("griddepcontrol.wait") == 1, ptx.name
+        before = text[:text.index("griddepcontrol.wait")]
+        assert "prefetch.global.L2" in before, ptx.name
+        touched = re.findall(r"\b(?:ld\.global|st\.global|atom|red\.global|cp\.async)[.\w]*", before)
+        assert touched == [], (ptx.name, touched)
+
+
+def test_scale_pair_arithmetic_is_exact_for_every_e4m3_scale():
+    """`_SCALE_PAIR_ASM` (the forward's block-scale decode on sm_89+) goes e4m3 → f16 (the
+    hardware cvt) → bf16 bits of s · 2^118 with integer ops; `scale_pair_bits` is that
+    arithmetic. For every e4m3 value but NaN (zero, subnormals, negatives, 448) it must equal
+    the float route it replaced: float32 s · 2^118 rounded to bf16."""
+    from kernels.nvfp4 import gemm
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    f8 = codes.view(torch.float8_e4m3fn)
+    f16_bits = f8.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    want = (f8.float() * 2.0 ** 118).bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF
+    got = gemm.scale_pair_bits(f16_bits)
+    bad = [(hex(int(c)), hex(int(g)), hex(int(w))) for c, g, w in zip(codes, got, want) if g != w]
+    assert bad == []
+    assert "cvt.rn.f16x2.e4m3x2" in gemm._SCALE_PAIR_ASM.value and str(gemm._SCALE_PAIR_EXP) in gemm._SCALE_PAIR_ASM.value
 
 
 # ---------------------------------------------------------------- interpreter half

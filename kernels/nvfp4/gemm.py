@@ -117,6 +117,35 @@ def _decode_word_ptx() -> str:
 
 
 _DECODE_WORD_ASM = tl.constexpr(_decode_word_ptx())
+# Two e4m3 block scales (the bytes of the 16-bit $2, sm_89+) → each as s · 2^118 in bf16,
+# twice per 32-bit word ($0 the low byte's, $1 the high byte's): the scale operand of
+# `_DECODE_WORD_ASM`. The hardware turns the pair into f16x2 (exact: every e4m3 value is a
+# normal f16, or zero). A nonzero f16 of exponent field E and mantissa m is the bf16 of
+# exponent field E + 112 and mantissa m >> 3 (exact: e4m3 has 3 mantissa bits), so per half
+# ((f >> 3) & 0x0FFF) + (112 + 118) << 7 is |s| · 2^118; a zero must stay zero, so that addend
+# is taken min(half, 1) times (min.u16x2, then one mad); the sign sits on bit 15 in both
+# formats. 8 instructions for 2 scales where the float32 route (cvt, × 2^118, cvt.bf16,
+# × 0x10001, and byte shuffles to pair the inputs) took ~24. `scale_pair_bits` is the same
+# arithmetic in torch (tests).
+_SCALE_PAIR_EXP = (112 + 118) << 7  # f16 → bf16 exponent bias, and the decode's 2^118
+
+
+def _scale_pair_ptx() -> str:
+    return "\n".join(["", "{", ".reg .b32 f, t, n, one;", "mov.b32 one, 0x00010001;",
+                      "cvt.rn.f16x2.e4m3x2 f, $2;", "shr.b32 t, f, 3;", "and.b32 t, t, 0x0FFF0FFF;",
+                      "min.u16x2 n, t, one;", f"mad.lo.u32 t, n, {_SCALE_PAIR_EXP}, t;",
+                      "lop3.b32 t, t, f, 0x80008000, 0xF8;",  # t | (f & sign bits)
+                      "prmt.b32 $0, t, t, 0x1010;", "prmt.b32 $1, t, t, 0x3232;", "}", ""])
+
+
+_SCALE_PAIR_ASM = tl.constexpr(_scale_pair_ptx())
+
+
+def scale_pair_bits(f16_bits: torch.Tensor) -> torch.Tensor:
+    """`_SCALE_PAIR_ASM`'s arithmetic on one f16 half (int32 tensor of f16 bit patterns) →
+    the bf16 bit patterns of s · 2^118 (for tests: the PTX runs on GPUs only)."""
+    t = (f16_bits >> 3) & 0x0FFF
+    return (t + torch.clamp(t, max=1) * _SCALE_PAIR_EXP) | (f16_bits & 0x8000)
 
 
 def _decode_f32_ptx() -> str:
@@ -208,7 +237,8 @@ def _decode_tile(b, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexp
 
 
 @triton.jit
-def _decode_tile_kperm(w, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr):
+def _decode_tile_kperm(w, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.constexpr,
+                       SCALE_PAIRS: tl.constexpr = False):
     """`_decode_tile` for a K-permuted tile: its packed bytes as int32 words w [BR, G*2] in
     memory order + e4m3 bytes sc uint8 [BR, G] → the weights [BR, G*16] in the reduction order
     p of `_kperm`.
@@ -220,10 +250,15 @@ def _decode_tile_kperm(w, sc, BR: tl.constexpr, G: tl.constexpr, GPU_MATH: tl.co
     16g + 2l + {0, 1, 8, 9} of a row for every g: its 2G contiguous bytes 2G·l … 2G·l + 2G - 1,
     i.e. G/2 whole words. Each of its 32-bit fragment registers (positions p, p + 1, h = 0, 1)
     is then one bf16x2 output of `_DECODE_WORD_ASM`, so nothing is repacked."""
-    s = _scale_f32(sc, GPU_MATH)  # [BR, G]: (l, q // 2) in memory order
-    if GPU_MATH:  # s · 2^118 as bf16, twice in one 32-bit word
-        s = (s * _TWO_POW_118).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        s = s | (s << 16)
+    if SCALE_PAIRS:  # sc: int16 [BR, G/2], two scales each (see the kernel's SCALE_PAIRS)
+        s0, s1 = tl.inline_asm_elementwise(_SCALE_PAIR_ASM, "=r,=r,h", [sc], dtype=(tl.int32, tl.int32),
+                                           is_pure=True, pack=1)
+        s = tl.reshape(tl.join(s0, s1), (BR, G))  # s · 2^118 as bf16, twice in one 32-bit word
+    elif GPU_MATH:
+        s = (_scale_f32(sc, GPU_MATH) * _TWO_POW_118).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+        s = (s & 0xFFFF) | (s << 16)
+    else:
+        s = _scale_f32(sc, GPU_MATH)  # [BR, G]: (l, q // 2) in memory order
     s = tl.reshape(tl.broadcast_to(tl.reshape(s, (BR, 4, G // 4, 1)), (BR, 4, G // 4, 2)), (BR, 4, G // 2))
     w = tl.reshape(w, (BR, 4, G // 2))
     if GPU_MATH:
@@ -255,6 +290,20 @@ def _kperm(a, BR: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def _pdl_start(packed_ptr, rows, stride_w, first_byte, row_bytes, PF_LINES: tl.constexpr):
+    """Programmatic dependent launch (PDL=True; the launch sets `launch_pdl`): this grid may
+    start while the kernel before it in the stream is finishing, so it asks L2 for the first
+    PF_LINES 128-byte lines of each of its weight rows (the weight is not written by anyone),
+    then waits for the previous kernel (`griddepcontrol.wait`) before anything reads the input
+    or writes: after the wait, the previous kernel's writes are visible and its reads done."""
+    line = tl.arange(0, PF_LINES) * 128
+    off = first_byte + tl.where(line < row_bytes, line, 0)
+    ptrs = packed_ptr + rows[:, None] * stride_w + off[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _w4a16_kernel(
     a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
     M, N_OUT, RED, R, C, MN, stride_am, stride_ak, stride_w, stride_s, SPLIT_K, M_BUCKET,
@@ -268,6 +317,10 @@ def _w4a16_kernel(
     EVICT_W: tl.constexpr = False,  # weight loads marked evict_first (read once)
     G_PER_ROW: tl.constexpr = False,  # forward: one global scale per W row (vLLM's fused shards)
     EVEN_N: tl.constexpr = False,  # K-permuted forward: N_OUT % BLOCK_N == 0, the weight loads need no mask
+    SCALE_PAIRS: tl.constexpr = False,  # K-permuted forward on sm_89+, BLOCK_K >= 128, even scale stride:
+    # the block scales load as int16 pairs (a thread's G/4 scales of a row are contiguous) and
+    # decode two at a time (`_SCALE_PAIR_ASM`)
+    PDL: tl.constexpr = False,  # forward, sm_90+, launched with launch_pdl: see `_pdl_start`
 ):
     # ---- tile of the output (grouped order: GROUP_M row-tiles share a column-tile in L2)
     pid = tl.program_id(0)
@@ -318,9 +371,18 @@ def _w4a16_kernel(
         else:
             p_ptrs = packed_ptr + rows[:, None, None] * stride_w + (grp[None, :, None] * 8 + j8[None, None, :])
             p_step = BLOCK_K // 2
-        s_ptrs = scale_ptr + rows[:, None] * stride_s + grp[None, :]
-        s_step = GW
+        if PERMUTE_K and SCALE_PAIRS:
+            s_ptrs = (scale_ptr.to(tl.pointer_type(tl.int16)) + rows[:, None] * (stride_s // 2)
+                      + (kt0 * (GW // 2) + tl.arange(0, GW // 2))[None, :])
+            s_step = GW // 2
+        else:
+            s_ptrs = scale_ptr + rows[:, None] * stride_s + grp[None, :]
+            s_step = GW
         row_ok = rn < R
+
+    if PDL:  # forward only: the first 4 K tiles of this program's weight rows
+        _pdl_start(packed_ptr, rn.to(tl.int64) % R, stride_w, kt0 * (BLOCK_K // 2), (kt1 - kt0) * (BLOCK_K // 2),
+                   (4 * BLOCK_K // 2 + 127) // 128)
 
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -358,7 +420,7 @@ def _w4a16_kernel(
                 else:
                     b = tl.load(p_ptrs, mask=wmask, other=0)
                     sc = tl.load(s_ptrs, mask=wmask, other=0)
-                w = _decode_tile_kperm(b, sc, BLOCK_N, GW, GPU_MATH)  # [BN, BK], order p
+                w = _decode_tile_kperm(b, sc, BLOCK_N, GW, GPU_MATH, SCALE_PAIRS)  # [BN, BK], order p
                 if not A_PREPERM:
                     a = _kperm(a, BLOCK_M, GW)
             else:
@@ -414,6 +476,7 @@ def _w4a16_gemv_kernel(
     N_OUT, RED, stride_w, stride_s, SPLIT_K,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GPU_MATH: tl.constexpr,
     G_PER_ROW: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # sm_90+, launched with launch_pdl: see `_pdl_start`
 ):
     """The forward for one input row (M = 1: decoding one sequence) on CUDA cores.
 
@@ -447,6 +510,9 @@ def _w4a16_gemv_kernel(
     p_ptrs = packed_ptr + rows[:, None, None] * stride_w + byte_in_row[None, :, :]
     s_ptrs = scale_ptr + rows[:, None] * stride_s + grp[None, :]
     x_ptrs = a_ptr + byte_in_row
+    if PDL:  # the first 4 K tiles of this program's weight rows
+        _pdl_start(packed_ptr, rows % N_OUT, stride_w, kt0 * (BLOCK_K // 2), (kt1 - kt0) * (BLOCK_K // 2),
+                   (4 * BLOCK_K // 2 + 127) // 128)
 
     acc = tl.zeros((BLOCK_N, G, 8), dtype=tl.float32)
     for _ in range(kt0, kt1):
@@ -595,6 +661,14 @@ def _permute_k(trans_w: bool, red: int, block_k: int) -> bool:
     return not trans_w and red % block_k == 0 and block_k % 64 == 0
 
 
+def _scale_pairs(trans_w: bool, red: int, block_k: int, stride_s: int) -> bool:
+    """Whether the K-permuted forward reads its block scales as int16 pairs (SCALE_PAIRS): on
+    sm_89+ (hardware e4m3 → f16x2), with ≥ 2 scales of a row per thread and an even row stride
+    (`_run` makes the base address even)."""
+    return (not INTERPRET and bool(_HW_E4M3) and _permute_k(trans_w, red, block_k) and block_k >= 128
+            and stride_s % 2 == 0)
+
+
 def _tuned_kernel():
     global _autotuned
     if _autotuned is None:
@@ -604,7 +678,9 @@ def _tuned_kernel():
             prune_configs_by={"early_config_prune": _prune},
         )(triton.heuristics({"EVEN_K": lambda a: a["RED"] % a["BLOCK_K"] == 0,
                              "EVEN_N": lambda a: a["N_OUT"] % a["BLOCK_N"] == 0,
-                             "PERMUTE_K": lambda a: _permute_k(a["TRANS_W"], a["RED"], a["BLOCK_K"])})
+                             "PERMUTE_K": lambda a: _permute_k(a["TRANS_W"], a["RED"], a["BLOCK_K"]),
+                             "SCALE_PAIRS": lambda a: _scale_pairs(a["TRANS_W"], a["RED"], a["BLOCK_K"],
+                                                                   a["stride_s"])})
           (_w4a16_kernel))
     return _autotuned
 
@@ -665,6 +741,13 @@ def _permute_input(a2: torch.Tensor, block_k: int) -> torch.Tensor:
     return a2.reshape(m, k // block_k, 4, g // 2, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(m, k).contiguous()
 
 
+def _pdl(cfg: dict, device: torch.device) -> bool:
+    """Whether a forced config's forward launches with programmatic dependent launch (its key
+    PDL; Hopper and newer only, never in the interpreter): see `_pdl_start`."""
+    return bool(cfg.pop("PDL", False)) and not INTERPRET and device.type == "cuda" \
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool, cfg: dict) -> None:
     """Launch `_w4a16_gemv_kernel` (keys GEMV, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
     M, red = a2.shape
@@ -676,11 +759,12 @@ def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool
     tiles = triton.cdiv(n_out, bn)
     ws = torch.empty(split * n_out, dtype=torch.float32, device=a2.device) if split > 1 else out
     words = a2.reshape(red).contiguous().view(torch.int32)  # x[2i], x[2i+1] in word i
+    pdl = _pdl(cfg, a2.device)
     _w4a16_gemv_kernel[(tiles, split)](
         words, packed, scale, g, bias_arg, out, ws, _counters(a2.device, tiles),
         n_out, red, packed.stride(0), scale.stride(0), split,
-        HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, GPU_MATH=not INTERPRET, G_PER_ROW=g.numel() > 1,
-        num_warps=cfg.get("num_warps", 8), num_stages=cfg.get("num_stages", 1),
+        HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, GPU_MATH=not INTERPRET, G_PER_ROW=g.numel() > 1, PDL=pdl,
+        num_warps=cfg.get("num_warps", 8), num_stages=cfg.get("num_stages", 1), launch_pdl=pdl,
     )
 
 
@@ -703,6 +787,8 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
     if packed.data_ptr() % 4:  # the K-permuted forward reads the bytes as int32 words
         packed = packed.clone()
     scale = weight_scale.contiguous().view(torch.uint8)
+    if scale.data_ptr() % 2:  # SCALE_PAIRS reads the scales as int16 pairs
+        scale = scale.clone()
     g = weight_global_scale.reshape(-1).contiguous()  # [1], or [N] in the forward (G_PER_ROW)
     has_bias = bias is not None
     bias_arg = bias.contiguous() if has_bias else g
@@ -724,11 +810,14 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
         ws = (torch.empty(split * M * n_out, dtype=torch.float32, device=a.device)
               if split > 1 else out)
         cnt = _counters(a.device, tiles)
+        pdl = _pdl(cfg, a.device) and not trans_w
         _w4a16_kernel[(tiles, split)](
             a2, packed, scale, g, bias_arg, out, ws, cnt,
             M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), packed.stride(0),
             scale.stride(0), split, m_bucket, EVEN_K=(red % bk == 0), EVEN_N=(n_out % bn == 0),
-            PERMUTE_K=cfg.pop("PERMUTE_K", True) and _permute_k(trans_w, red, bk), **common, **cfg,
+            PERMUTE_K=cfg.pop("PERMUTE_K", True) and _permute_k(trans_w, red, bk),
+            SCALE_PAIRS=cfg.pop("SCALE_PAIRS", True) and _scale_pairs(trans_w, red, bk, scale.stride(0)),
+            PDL=pdl, launch_pdl=pdl, **common, **cfg,
         )
     else:
         kernel = _tuned_kernel()
@@ -764,7 +853,8 @@ def linear_w4a16(
     `_config` (tests/benchmarks) forces one kernel config instead of autotuning:
     keys BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SPLIT_K, num_warps, num_stages, and optionally
     A_PREPERM (the input permuted by a separate torch op before the kernel), EVICT_W
-    (evict_first weight loads); or GEMV=True with BLOCK_N, BLOCK_K, SPLIT_K, num_warps for
+    (evict_first weight loads), SCALE_PAIRS (default True where it applies: `_scale_pairs`),
+    PDL (programmatic dependent launch, `_pdl_start`); or GEMV=True with BLOCK_N, BLOCK_K, SPLIT_K, num_warps for
     the CUDA-core kernel (M = 1, K % BLOCK_K == 0)."""
     n, _ = _check("linear_w4a16", x, weight_packed, weight_scale, weight_global_scale, True)
     if bias is not None:
