@@ -78,7 +78,8 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         fn = gemm._w4a16_kernel
         consts = {"TRANS_W": trans_w, "HAS_BIAS": False, "GROUP_M": 8, "EVEN_K": True, "EVEN_N": True, "GPU_MATH": True,
                   "PERMUTE_K": (perm := cfg.pop("PERMUTE_K", True) and gemm._permute_k(trans_w, bk, bk)),
-                  "SCALE_PAIRS": cfg.pop("SCALE_PAIRS", True) and perm and bk >= 128, "stride_ak": 1,
+                  "SCALE_PAIRS": cfg.pop("SCALE_PAIRS", gemm.SCALE_PAIRS_DEFAULT) and perm and bk >= 128,
+                  "stride_ak": 1,
                   **cfg}
     # constexpr parameters with a default (A_PREPERM, EVICT_W, G_PER_ROW) take it unless given
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}

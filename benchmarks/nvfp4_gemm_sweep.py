@@ -19,6 +19,8 @@ Grids (`--grid`, several allowed):
            (`maxnreg`: 7 or 6 CTAs of 4 warps per SM instead of 5 at 83)
   tc-deep  the tensor-core kernel at M = 1 and 16 with 3-8 pipeline stages and 4 or 8 warps
            (more loads in flight; on the H200 no better than 4 stages and 4 warps, NOTES.md)
+  ab-pairs the serving table's tensor-core configs, each with and without SCALE_PAIRS (block
+           scales loaded and decoded two at a time)
 
 Shapes (`--shapes`): vllm-7b (default: Qwen2.5-7B as vLLM runs it, merged qkv and gate_up),
 learner-7b (the separate projections), or NxK entries.

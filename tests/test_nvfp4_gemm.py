@@ -115,9 +115,9 @@ def test_forward_reads_whole_vectors_of_its_tile_on_hopper():
 
     cfg = '{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"num_warps":4,"num_stages":4'
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), "--config", cfg + "}",
-                           "--config", cfg + ',"PERMUTE_K":false}'], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), "--config",
+                           cfg + ',"SCALE_PAIRS":true}', "--config", cfg + ',"PERMUTE_K":false}'],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     permuted, plain = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
     for r in (permuted, plain):

@@ -661,10 +661,15 @@ def _permute_k(trans_w: bool, red: int, block_k: int) -> bool:
     return not trans_w and red % block_k == 0 and block_k % 64 == 0
 
 
+# Whether forward configs that do not say use SCALE_PAIRS. Off until it has run on a GPU: it
+# compiles for sm_90a and its arithmetic is checked on the CPU (tests), but nothing has executed it.
+SCALE_PAIRS_DEFAULT = False
+
+
 def _scale_pairs(trans_w: bool, red: int, block_k: int, stride_s: int) -> bool:
-    """Whether the K-permuted forward reads its block scales as int16 pairs (SCALE_PAIRS): on
-    sm_89+ (hardware e4m3 → f16x2), with ≥ 2 scales of a row per thread and an even row stride
-    (`_run` makes the base address even)."""
+    """Whether the K-permuted forward can read its block scales as int16 pairs (SCALE_PAIRS):
+    on sm_89+ (hardware e4m3 → f16x2), with ≥ 2 scales of a row per thread and an even row
+    stride (`_run` makes the base address even)."""
     return (not INTERPRET and bool(_HW_E4M3) and _permute_k(trans_w, red, block_k) and block_k >= 128
             and stride_s % 2 == 0)
 
@@ -679,8 +684,8 @@ def _tuned_kernel():
         )(triton.heuristics({"EVEN_K": lambda a: a["RED"] % a["BLOCK_K"] == 0,
                              "EVEN_N": lambda a: a["N_OUT"] % a["BLOCK_N"] == 0,
                              "PERMUTE_K": lambda a: _permute_k(a["TRANS_W"], a["RED"], a["BLOCK_K"]),
-                             "SCALE_PAIRS": lambda a: _scale_pairs(a["TRANS_W"], a["RED"], a["BLOCK_K"],
-                                                                   a["stride_s"])})
+                             "SCALE_PAIRS": lambda a: SCALE_PAIRS_DEFAULT and _scale_pairs(
+                                 a["TRANS_W"], a["RED"], a["BLOCK_K"], a["stride_s"])})
           (_w4a16_kernel))
     return _autotuned
 
@@ -816,7 +821,7 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
             M, n_out, red, R, C, M * n_out, a2.stride(0), a2.stride(1), packed.stride(0),
             scale.stride(0), split, m_bucket, EVEN_K=(red % bk == 0), EVEN_N=(n_out % bn == 0),
             PERMUTE_K=cfg.pop("PERMUTE_K", True) and _permute_k(trans_w, red, bk),
-            SCALE_PAIRS=cfg.pop("SCALE_PAIRS", True) and _scale_pairs(trans_w, red, bk, scale.stride(0)),
+            SCALE_PAIRS=cfg.pop("SCALE_PAIRS", SCALE_PAIRS_DEFAULT) and _scale_pairs(trans_w, red, bk, scale.stride(0)),
             PDL=pdl, launch_pdl=pdl, **common, **cfg,
         )
     else:
@@ -853,7 +858,7 @@ def linear_w4a16(
     `_config` (tests/benchmarks) forces one kernel config instead of autotuning:
     keys BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SPLIT_K, num_warps, num_stages, and optionally
     A_PREPERM (the input permuted by a separate torch op before the kernel), EVICT_W
-    (evict_first weight loads), SCALE_PAIRS (default True where it applies: `_scale_pairs`),
+    (evict_first weight loads), SCALE_PAIRS (where `_scale_pairs` allows; default SCALE_PAIRS_DEFAULT),
     PDL (programmatic dependent launch, `_pdl_start`); or GEMV=True with BLOCK_N, BLOCK_K, SPLIT_K, num_warps for
     the CUDA-core kernel (M = 1, K % BLOCK_K == 0)."""
     n, _ = _check("linear_w4a16", x, weight_packed, weight_scale, weight_global_scale, True)

@@ -48,7 +48,7 @@ SERVING_CONFIGS: list[tuple[int, dict]] = [
 ]
 MAX_SPLIT = 8
 TABLE_ENV = "QERL_NVFP4_SERVING_CONFIGS"
-PDL_ENV = "QERL_NVFP4_PDL"  # "0": launch without programmatic dependent launch (A/B, debugging)
+PDL_ENV = "QERL_NVFP4_PDL"  # "1": programmatic dependent launch (gemm._pdl_start); off until measured
 MEASURED_KEYS = ("us", "cublas_bf16_us")  # figures stored beside each config, not kernel arguments
 BUNDLED_TABLE = Path(__file__).with_name("serving_configs.json")
 
@@ -127,7 +127,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row
     m, k = x.shape
     n = packed.shape[0]
     cfg = config_for(m, n, k, _num_sms(x.device))
-    if cfg is not None and os.environ.get(PDL_ENV, "1") != "0":
+    if cfg is not None and os.environ.get(PDL_ENV, "0") == "1":
         cfg["PDL"] = True  # the kernel may start while the previous one finishes (gemm._pdl_start)
     if cfg is None:  # per-row divisors are handled by the bf16 dequantize too
         w = triton_kernels.dequantize(packed, scale, row_global_scale, torch.bfloat16)
