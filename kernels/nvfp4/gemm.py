@@ -661,9 +661,10 @@ def _permute_k(trans_w: bool, red: int, block_k: int) -> bool:
     return not trans_w and red % block_k == 0 and block_k % 64 == 0
 
 
-# Whether forward configs that do not say use SCALE_PAIRS. Off until it has run on a GPU: it
-# compiles for sm_90a and its arithmetic is checked on the CPU (tests), but nothing has executed it.
-SCALE_PAIRS_DEFAULT = False
+# Whether forward configs that do not say use SCALE_PAIRS (QERL_NVFP4_SCALE_PAIRS=1 turns it on).
+# Off until it has run on a GPU: it compiles for sm_90a and its arithmetic is checked on the CPU
+# (tests), but nothing has executed it.
+SCALE_PAIRS_DEFAULT = os.environ.get("QERL_NVFP4_SCALE_PAIRS", "0") == "1"
 
 
 def _scale_pairs(trans_w: bool, red: int, block_k: int, stride_s: int) -> bool:
