@@ -4,8 +4,10 @@ For each shape (vLLM's merged Qwen2.5-7B projections) and input rows M it compar
 the plain-torch reference, eagerly, replayed from a captured CUDA graph, and under
 torch.compile; weights carry one global scale per output row (as vLLM's fused shards do).
 Prints one line per case and the config `serving.config_for` picked; exits 1 on any mismatch.
+`--edge-scales` plants block scales of 0, e4m3 subnormals and 448 (the extremes of the scale
+decode). The op's switches come from the environment (QERL_NVFP4_PDL, QERL_NVFP4_SCALE_PAIRS).
 
-    python benchmarks/nvfp4_serving_check.py [--m 1 2 7 16 17 32 33 64 300]
+    python benchmarks/nvfp4_serving_check.py [--m 1 2 7 16 17 32 33 64 300] [--edge-scales]
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 7, 16, 17, 32, 33, 64, 300])
     ap.add_argument("--shapes", default="vllm-7b", help="vllm-7b, learner-7b, or comma-separated NxK")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error (bf16 output: ~3e-3)")
+    ap.add_argument("--edge-scales", action="store_true",
+                    help="set some block scales to 0, to e4m3 subnormals (2^-9 .. 7 · 2^-9) and to 448")
     args = ap.parse_args(argv)
     import torch
 
@@ -35,6 +39,11 @@ def main(argv=None) -> int:
     for name, n, k in shapes_of(args.shapes):
         w = (torch.randn(n, k, device=dev) * 0.02).bfloat16()
         packed, scale, g = quantize(w, global_scale(w))
+        if args.edge_scales:
+            sb = scale.view(torch.uint8)
+            sb[::7, ::3] = 0  # the codes stay: a zero scale must still give zero weights
+            sb[1::5, 1::4] = torch.randint(1, 8, sb[1::5, 1::4].shape, device=dev, dtype=torch.uint8)
+            sb[2::9, 2::5] = 0x7E  # 448
         g = g.reshape(1).repeat(n) * torch.linspace(0.5, 1.5, n, device=dev)  # one divisor per row
         bias = torch.randn(n, device=dev).bfloat16() if name == "qkv" else None
         w = dequantize(packed, scale, torch.ones(1, device=dev), torch.float32) / g[:, None]
