@@ -200,7 +200,8 @@ def test_scale_pair_arithmetic_is_exact_for_every_e4m3_scale():
     got = gemm.scale_pair_bits(f16_bits)
     bad = [(hex(int(c)), hex(int(g)), hex(int(w))) for c, g, w in zip(codes, got, want) if g != w]
     assert bad == []
-    assert "cvt.rn.f16x2.e4m3x2" in gemm._SCALE_PAIR_ASM.value and str(gemm._SCALE_PAIR_EXP) in gemm._SCALE_PAIR_ASM.value
+    ptx = gemm._SCALE_PAIR_ASM.value
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and str(gemm._SCALE_PAIR_EXP) in ptx
 
 
 # ---------------------------------------------------------------- interpreter half
