@@ -90,12 +90,26 @@ def reference(smollm2_artifact, smollm2_nvfp4):
     return model
 
 
-def prompt_ids(smollm2_artifact) -> list[int]:
+def prompt_ids(smollm2_artifact, min_tokens: int = 0) -> list[int]:
+    """The chat-formatted QUESTION, after enough filler to be at least `min_tokens` long."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_artifact)
-    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False)
-    return tok(text, add_special_tokens=False).input_ids
+    filler = ""
+    while True:
+        text = tok.apply_chat_template([{"role": "user", "content": filler + QUESTION}], add_generation_prompt=True,
+                                       tokenize=False)
+        ids = tok(text, add_special_tokens=False).input_ids
+        if len(ids) >= min_tokens:
+            return ids
+        filler += "Alice has three apples and Bob has four pears; neither of them matters here. "
+
+
+def long_prompt_ids(engine, smollm2_artifact) -> list[int]:
+    """A prompt that fills two KV blocks and then some, so the prefix cache holds whole blocks of it."""
+    ids = prompt_ids(smollm2_artifact, 2 * engine.kv_block_size() + 8)
+    assert len(ids) // engine.kv_block_size() >= 2
+    return ids
 
 
 def greedy(engine, ids, lora=None, n_tokens=16, seed=0, temperature=0.0, n=1):
@@ -121,8 +135,7 @@ def hf_logprobs(model, ids, completion, adapter_dir=None):
 
 
 def test_lora_applies_and_matches_peft(engine, reference, adapters, smollm2_artifact):
-    ids = prompt_ids(smollm2_artifact)
-    assert len(ids) > 16  # longer than one KV block
+    ids = long_prompt_ids(engine, smollm2_artifact)  # cached blocks of one adapter must not serve the next
     base_tokens, base_lp = greedy(engine, ids)[0]
     hf_base = hf_logprobs(reference, ids, base_tokens)
     d = (torch.tensor(base_lp) - hf_base).abs()
@@ -151,7 +164,7 @@ def test_seeded_sampling_reproduces(engine, smollm2_artifact):
 
 
 def test_aqn_in_the_engine(engine, smollm2_artifact):
-    ids = prompt_ids(smollm2_artifact)
+    ids = long_prompt_ids(engine, smollm2_artifact)
     layers = engine.model_config["num_hidden_layers"]
     assert engine.set_aqn(0.0, seed=1) == 2 * layers
     clean = greedy(engine, ids)[0]
@@ -167,6 +180,9 @@ def test_aqn_in_the_engine(engine, smollm2_artifact):
     assert len(changed) == 2 * layers and not any(n.endswith("model.norm") for n in changed)
     noisy = greedy(engine, ids)[0]
     assert noisy[1] != clean[1]
+    # the clean run left the prompt's blocks in the prefix cache; the noisy run must not reuse them
+    assert engine.llm.reset_prefix_cache()
+    assert greedy(engine, ids)[0] == noisy
     engine.set_aqn(0.05, seed=1)  # resampled from the clean copy: the same noise, not twice the noise
     twice = engine.llm.apply_model(norms)[0]
     assert all(torch.equal(once[n], twice[n]) for n in once)

@@ -228,7 +228,16 @@ class RolloutEngine:
         from components.rollout.aqn import apply_noise
 
         counts = self.llm.apply_model(lambda model: apply_noise(model, sigma, seed))
+        # The prefix cache keys a block by its tokens and LoRA name, not by the weights: KV computed
+        # under the previous noise would be served for the new one. Drop it.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after changing the AQN noise "
+                               "(requests still running?)")
         return int(counts[0])
+
+    def kv_block_size(self) -> int:
+        """Tokens per KV-cache block (the prefix cache's unit)."""
+        return int(self.llm.llm_engine.vllm_config.cache_config.block_size)
 
     def generate(self, prompt_token_ids: list[list[int]], params: list, lora=None):
         """One request per prompt (each with its own SamplingParams, so its own seed)."""
