@@ -84,7 +84,7 @@ def worker(args) -> dict:
 
     root = Path(args.out)
     backend = args.worker
-    _prepare_environment(cpu=False, kv_cache_gb=0)
+    _prepare_environment(cpu=False)
     extra, env = ({}, {"QERL_NVFP4_BACKEND": ""}) if backend == "bf16" else engine_settings(backend)
     os.environ.update(env)
     stage = EngineConfig()

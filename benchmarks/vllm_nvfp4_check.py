@@ -78,12 +78,14 @@ def main(argv=None) -> int:
 
     ckpt = Path(args.model).resolve()
     cuda = torch.cuda.is_available()
-    _prepare_environment(cpu=not cuda, kv_cache_gb=1)
+    _prepare_environment(cpu=not cuda)
     extra = {}
     if cuda:
         extra, env = engine_settings(args.backend)
         os.environ.update(env)
         extra.update(gpu_memory_utilization=0.5)
+    elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        extra.update(kv_cache_memory_bytes=2**30)
     from kernels.vllm_nvfp4_dequant import register
 
     register()

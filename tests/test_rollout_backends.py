@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -104,6 +105,24 @@ def test_rollout_config_rejects_an_unknown_backend():
         RolloutConfig(model="/m", prompts="/p", output="/o", nvfp4_backend="fp8")
 
 
+@pytest.mark.parametrize("field, value, msg", [
+    ("aqn_sigma", float("inf"), "--aqn-sigma must be a finite number"),
+    ("aqn_sigma", float("nan"), "--aqn-sigma must be a finite number"),
+    ("temperature", float("inf"), "--temperature must be a finite number"),
+    ("temperature", -1.0, "--temperature must be a finite number"),
+    ("top_p", 0.0, "--top-p must be in (0, 1]"),
+    ("kv_cache_gb", -3.0, "--kv-cache-gb must be a positive number"),
+    ("kv_cache_gb", 0.0, "--kv-cache-gb must be a positive number"),
+    ("gpu_memory_utilization", 7.0, "--gpu-memory-utilization must be in (0, 1]"),
+])
+def test_rollout_config_rejects_out_of_range_numbers(field, value, msg):
+    from components.rollout.__main__ import RolloutConfig
+
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        RolloutConfig(model="/m", prompts="/p", output="/o", **{field: value})
+    RolloutConfig(model="/m", prompts="/p", output="/o", kv_cache_gb=0.5, gpu_memory_utilization=1.0)
+
+
 def test_lora_slot_is_the_smallest_vllm_rank_that_holds_the_adapter():
     from components.rollout.engine import VLLM_LORA_RANKS, lora_slot_rank
 
@@ -111,3 +130,36 @@ def test_lora_slot_is_the_smallest_vllm_rank_that_holds_the_adapter():
     assert all(lora_slot_rank(r) == r for r in VLLM_LORA_RANKS)
     with pytest.raises(ConfigError, match="exceeds vLLM's largest LoRA rank 512"):
         lora_slot_rank(513)
+
+
+def test_check_adapter_refuses_what_does_not_fit(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from components.rollout.engine import check_adapter
+
+    model = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+             "num_hidden_layers": 2}
+    prefix = "base_model.model.model.layers"
+
+    def adapter(tensors: dict, rank: int = 4):
+        d = tmp_path / f"a{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps({"r": rank, "peft_type": "LORA"}))
+        save_file({k: torch.zeros(s) for k, s in tensors.items()}, d / "adapter_model.safetensors")
+        return d
+
+    good = {f"{prefix}.1.self_attn.k_proj.lora_A.weight": (4, 32), f"{prefix}.1.self_attn.k_proj.lora_B.weight": (16, 4),
+            f"{prefix}.0.mlp.down_proj.lora_A.weight": (4, 64), f"{prefix}.0.mlp.down_proj.lora_B.weight": (32, 4)}
+    assert check_adapter(adapter(good), model, max_rank=8)["r"] == 4
+    cases = [
+        ({f"{prefix}.2.self_attn.k_proj.lora_A.weight": (4, 32)}, "names no decoder layer of this base (it has 2)"),
+        ({f"{prefix}.0.self_attn.k_proj.lora_B.weight": (32, 4)}, "has shape (32, 4), the base model needs (16, 4)"),
+        ({f"{prefix}.0.self_attn.k_proj.lora_magnitude_vector": (16,)}, "neither a lora_A nor a lora_B"),
+        ({f"{prefix}.0.self_attn.rotary.lora_A.weight": (4, 32)}, "targets a module the rollout engine does not serve"),
+    ]
+    for tensors, msg in cases:
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            check_adapter(adapter(tensors), model, max_rank=8)
+    with pytest.raises(ConfigError, match="exceeds the engine's max_lora_rank 2"):
+        check_adapter(adapter(good), model, max_rank=2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -79,9 +80,15 @@ class RolloutConfig:
         require(self.split in ("train", "eval"), f"--split must be train or eval, not {self.split!r}")
         require(self.samples >= 1, "--samples must be at least 1")
         require(self.max_tokens >= 1, "--max-tokens must be at least 1")
-        require(self.temperature >= 0, "--temperature must be >= 0")
-        require(0 < self.top_p <= 1, "--top-p must be in (0, 1]")
-        require(self.aqn_sigma >= 0, "--aqn-sigma must be >= 0")
+        require(math.isfinite(self.temperature) and self.temperature >= 0,
+                f"--temperature must be a finite number >= 0, not {self.temperature}")
+        require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], not {self.top_p}")
+        require(math.isfinite(self.aqn_sigma) and self.aqn_sigma >= 0,
+                f"--aqn-sigma must be a finite number >= 0, not {self.aqn_sigma}")
+        require(math.isfinite(self.kv_cache_gb) and self.kv_cache_gb > 0,
+                f"--kv-cache-gb must be a positive number, not {self.kv_cache_gb}")
+        require(0 < self.gpu_memory_utilization <= 1,
+                f"--gpu-memory-utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         require(self.num_shards >= 1 and 0 <= self.shard < self.num_shards,
                 f"--shard {self.shard} is not in 0..{self.num_shards - 1}")
         require(self.iteration >= 0 and self.prompts_per_iteration >= 0, "--iteration and --prompts-per-iteration must be >= 0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_loras: int = 1                 # adapters resident on the device; a new version evicts the last
     max_model_len: int = 2048
-    kv_cache_gb: float = 1.0          # CPU only: VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gb: float = 1.0          # CPU only: KV-cache size (vLLM's kv_cache_memory_bytes)
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     max_num_seqs: int = 256
@@ -108,11 +109,10 @@ def describe_lora_kernels(env, gpu_name: str) -> str:
     return f"{configs}, dual stream {'on' if env.get('VLLM_LORA_ENABLE_DUAL_STREAM') == '1' else 'off'}"
 
 
-def _prepare_environment(cpu: bool, kv_cache_gb: float) -> None:
+def _prepare_environment(cpu: bool) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if cpu:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         import torch
         init_amx = getattr(torch.cpu, "_init_amx", None)
         if init_amx is not None:
@@ -138,6 +138,7 @@ def check_adapter(adapter_dir: Path, model_config: dict, max_rank: int) -> dict:
     heads, kv_heads = model_config["num_attention_heads"], model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
     head_dim = model_config.get("head_dim") or hidden // heads
     inter = model_config["intermediate_size"]
+    layers = model_config["num_hidden_layers"]
     # (in, out) of each target for Llama/Qwen-style decoders
     dims = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
             "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
@@ -147,6 +148,13 @@ def check_adapter(adapter_dir: Path, model_config: dict, max_rank: int) -> dict:
             module = next((t for t in dims if f".{t}." in key), None)
             if module is None:
                 raise ConfigError(f"adapter tensor {key} targets a module the rollout engine does not serve")
+            layer = re.search(r"\.layers\.(\d+)\.", key)
+            if layer is None or int(layer.group(1)) >= layers:
+                raise ConfigError(f"adapter tensor {key} names no decoder layer of this base (it has {layers}): "
+                                  "the adapter does not fit this base")
+            if ".lora_A." not in key and ".lora_B." not in key:
+                raise ConfigError(f"adapter tensor {key} is neither a lora_A nor a lora_B weight "
+                                  "(vLLM serves plain LoRA only: no DoRA magnitudes, no extra modules)")
             shape = tuple(f.get_slice(key).get_shape())
             fan_in, fan_out = dims[module]
             want = (rank, fan_in) if ".lora_A." in key else (fan_out, rank)
@@ -166,7 +174,7 @@ class RolloutEngine:
         self.model_config = json.loads((self.model_dir / "config.json").read_text())
         self.cfg = cfg
         self.cpu = not torch.cuda.is_available()
-        _prepare_environment(self.cpu, cfg.kv_cache_gb)
+        _prepare_environment(self.cpu)
         extra = {}
         self.lora_kernels = ""  # GPU with LoRA: which configs vLLM's LoRA kernels run with
         if not self.cpu:
@@ -190,6 +198,11 @@ class RolloutEngine:
             kw.update(max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras)
         if not self.cpu:
             kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, **extra)
+        elif os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vllm-cpu lets the legacy variable win
+            log.warning("VLLM_CPU_KVCACHE_SPACE=%s GiB is set and overrides kv_cache_gb=%g",
+                        os.environ["VLLM_CPU_KVCACHE_SPACE"], cfg.kv_cache_gb)
+        else:  # without a size vllm-cpu refuses to start when the default exceeds free memory
+            kw.update(kv_cache_memory_bytes=int(cfg.kv_cache_gb * 2**30))
         t0 = time.time()
         self.llm = LLM(**kw)
         self.start_seconds = time.time() - t0
