@@ -135,6 +135,24 @@ def test_listing(root, tmp_path):
         "iter-0000/rewards", "iter-0000/rollouts/shard-000-of-002", "prompts"]
 
 
+def test_a_prefix_of_shards_expands_only_when_complete(root, tmp_path):
+    src = _src(tmp_path, {"x": b"1"})
+    it = f"{root}/run/iter-0000"
+    for s in (0, 2):
+        publish_dir(src, f"{it}/rollouts/shard-{s:03d}-of-003", stage="test")
+    with pytest.raises(StorageError, match=r"rollouts is incomplete: shard-001-of-003 not published .* 2 of 3"):
+        storage.expand_artifacts([f"{it}/rollouts"], "rollout shard")
+    # one shard given directly is read as it is
+    assert storage.expand_artifacts([f"{it}/rollouts/shard-000-of-003"]) == [f"{it}/rollouts/shard-000-of-003"]
+    publish_dir(src, f"{it}/rollouts/shard-001-of-003", stage="test")
+    assert [u.rsplit("/", 1)[1] for u in storage.expand_artifacts([f"{it}/rollouts"])] == [
+        "shard-000-of-003", "shard-001-of-003", "shard-002-of-003"]
+    publish_dir(src, f"{it}/rollouts.v2/shard-000-of-001", stage="test")  # a rerun beside it
+    with pytest.raises(StorageError, match="holds 2 sets of rollout shards"):
+        storage.expand_artifacts([it], "rollout shard")
+    assert storage.expand_artifacts([f"{it}/rollouts.v2"]) == [f"{it}/rollouts.v2/shard-000-of-001"]
+
+
 def test_multipart_100mb_object(s3_bucket, tmp_path):
     big = tmp_path / "src" / "big.bin"
     big.parent.mkdir()

@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -484,14 +485,43 @@ def list_artifacts(uri: str) -> list[str]:
     return sorted(loc.join(rel).uri for rel in found)
 
 
+_SHARD_NAME = re.compile(r"^shard-(\d{3,})-of-(\d{3,})$")
+
+
+def _check_shards(prefix: str, found: list[str], what: str) -> None:
+    """Artifacts named shard-III-of-NNN under one prefix must be all N of one set: a missing one
+    is a task that failed or is still running, and reading the rest would silently drop its
+    data; two sets (say rollouts/ and rollouts.v2/ under an iteration) would double it."""
+    sets: dict[tuple[str, int], set[int]] = {}
+    for uri in found:
+        parent, name = uri.rstrip("/").rsplit("/", 1)
+        m = _SHARD_NAME.match(name)
+        if m:
+            sets.setdefault((parent, int(m.group(2))), set()).add(int(m.group(1)))
+    if len(sets) > 1:
+        raise StorageError(f"{prefix} holds {len(sets)} sets of {what}s ("
+                           + ", ".join(f"{p}: {n} shards" for p, n in sorted(sets)) + "): give one of them")
+    for (parent, n), have in sets.items():
+        missing = sorted(set(range(n)) - have)
+        if missing:
+            names = ", ".join(f"shard-{i:03d}-of-{n:03d}" for i in missing)
+            raise StorageError(f"{parent} is incomplete: {names} not published (a task failed or is still "
+                               f"running); {len(have)} of {n} {what}s are there")
+
+
 def expand_artifacts(uris: list[str], what: str = "artifact") -> list[str]:
     """Each URI as given if it is a published artifact, else the artifacts published under it
-    (a rollouts prefix → its shards). A URI with neither is an error naming it."""
+    (a rollouts prefix → its shards, which must be complete: every shard-III-of-NNN for
+    I < N). A URI with neither is an error naming it."""
     out = []
     for uri in uris:
-        found = [uri] if exists(uri) else list_artifacts(uri)
+        if exists(uri):
+            out.append(uri)
+            continue
+        found = list_artifacts(uri)
         if not found:
             raise StorageError(f"no {what} published at or under {uri}")
+        _check_shards(uri, found, what)
         out += found
     return out
 
