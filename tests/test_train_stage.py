@@ -380,6 +380,7 @@ def test_end_to_end_publishes_standard_peft_adapter(run1, smollm2_artifact, toke
         assert m[k] is not None and m[k] == m[k], k
     assert m["updated"] and m["step"] == 1 and m["micro_batches"] >= 2
     assert 0.01 < m["rollout_logp_abs_diff"] < 0.1  # the 0.05-sigma perturbation
+    assert 0 < m["mismatch_tokens"] <= m["completion_tokens"]  # the kept groups' completions, truncated included
     assert m["entropy"] > 0 and m["grad_norm"] > 0 and m["tokens_per_s"] > 0
     assert m["gc_full_passes"] == 0  # manual_gc: no full collection inside the iteration
     assert "dequant_prefetch_hits" not in m  # CPU: no side stream to overlap with, not attached
@@ -465,6 +466,9 @@ def test_all_groups_tied_publishes_unchanged_adapter(run1, smollm2_nvfp4, data):
     m = json.loads((out / "metrics.json").read_text())
     assert m["updated"] is False and m["dropped_group_fraction"] == 1.0 and "tie" in m["skipped_reason"]
     assert m["step"] == 1
+    # no update, but the rollout/learner mismatch is still measured, over every completion token
+    assert m["mismatch_tokens"] == m["completion_tokens"] and m["rollout_logp_abs_diff"] > 0
+    assert m["rollout_kl"] >= 0 and m["entropy"] > 0
     a, b = load_file(str(out1 / "adapter_model.safetensors")), load_file(str(out / "adapter_model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -313,6 +313,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _learner_logprobs(policy, batch: Batch, mbs: list[list[int]], cfg, device: torch.device, metrics: dict,
+                      with_reference: bool) -> tuple[dict[int, Tensor], dict[int, Tensor], float]:
+    """The learner's log-probs of every completion token of the rows in `mbs`, before any update
+    ({row: [T_i]}), the reference's (adapter disabled) when asked, and the mean token entropy.
+
+    Also puts the rollout/learner mismatch of those tokens into `metrics` (all completion tokens,
+    truncated ones included): rollout_logp_abs_diff = mean |logp_learner − logp_rollout| and
+    rollout_kl = mean k3 estimate of KL(rollout ‖ learner), with mismatch_tokens counted."""
+    policy.eval()
+    old: dict[int, Tensor] = {}
+    ref: dict[int, Tensor] = {}
+    ent_sum, ent_n, abs_sum, kl_sum = 0.0, 0, 0.0, 0.0
+    with torch.no_grad():
+        for mb in mbs:
+            ids, am, cm = _collate(batch, mb, device)
+            lp, ent = logprobs(policy, ids, am, cm, temperature=cfg.temperature, with_entropy=True)
+            n = int(cm.sum())
+            ent_sum, ent_n = ent_sum + float(ent) * n, ent_n + n
+            for r, i in enumerate(mb):
+                old[i] = lp[r][cm[r]].float().cpu()
+                d = (old[i] - torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)).clamp(-20, 20)
+                abs_sum += float(d.abs().sum())
+                kl_sum += float((torch.expm1(d) - d).sum())
+            if with_reference:
+                lr_ = reference_logprobs(policy, ids, am, cm, temperature=cfg.temperature)
+                for r, i in enumerate(mb):
+                    ref[i] = lr_[r][cm[r]].cpu()
+    metrics.update(rollout_logp_abs_diff=abs_sum / max(ent_n, 1), rollout_kl=kl_sum / max(ent_n, 1),
+                   mismatch_tokens=ent_n)
+    return old, ref, ent_sum / max(ent_n, 1)
+
+
 def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device) -> dict:
     """Advantages, logp_old (+ ref), then `epochs` optimizer steps over the batch. Metrics."""
     with attention_kernels(cfg.cudnn_attention), _GarbageCollection(cfg.manual_gc) as collector:
@@ -339,37 +371,26 @@ def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device
         "truncated_fraction": sum(batch.truncated) / len(batch), "loss_normalizer": norm,
         "step_before": sched.last_epoch,
     }
+    def micro_batches_of(idx: list[int]) -> list[list[int]]:
+        return [[idx[j] for j in mb] for mb in
+                O.micro_batches([len(batch.prompt_tokens[i]) + len(batch.completion_tokens[i]) for i in idx],
+                                obj.micro_batch_tokens, sort_by_length=True)]
+
     if not rows or norm <= 0:
         why = ("every group's rewards tie (dynamic sampling dropped all groups)" if not rows else
                "no loss token is left (all kept completions are empty or masked as truncated)")
         log.warning("no update this iteration: %s; publishing the adapter unchanged", why)
+        # the rollout/learner mismatch is still measured, over every sample (a forward pass, no update)
+        scored = rows or list(range(len(batch)))
+        _, _, entropy = _learner_logprobs(policy, batch, micro_batches_of(scored), cfg, device, metrics, False)
         metrics.update(updated=False, skipped_reason=why, optimizer_steps=0, step_after=sched.last_epoch,
-                       seconds=time.time() - t0, peak_memory_mb=_peak_memory_mb(device))
+                       entropy=entropy, seconds=time.time() - t0, peak_memory_mb=_peak_memory_mb(device))
         return metrics
 
-    mbs = [[rows[j] for j in mb] for mb in
-           O.micro_batches([len(batch.prompt_tokens[i]) + len(batch.completion_tokens[i]) for i in rows],
-                           obj.micro_batch_tokens, sort_by_length=True)]
+    mbs = micro_batches_of(rows)
     adv = adv.to(torch.float32)
     truncated = torch.tensor(batch.truncated, dtype=torch.bool)
-
-    # logp_old (and the policy's entropy) before any update; the reference if KL is on.
-    policy.eval()
-    old: dict[int, Tensor] = {}
-    ref: dict[int, Tensor] = {}
-    ent_sum, ent_n = 0.0, 0
-    with torch.no_grad():
-        for mb in mbs:
-            ids, am, cm = _collate(batch, mb, device)
-            lp, ent = logprobs(policy, ids, am, cm, temperature=cfg.temperature, with_entropy=True)
-            n = int(cm.sum())
-            ent_sum, ent_n = ent_sum + float(ent) * n, ent_n + n
-            for r, i in enumerate(mb):
-                old[i] = lp[r][cm[r]].cpu()
-            if obj.kl_beta > 0:
-                lr_ = reference_logprobs(policy, ids, am, cm, temperature=cfg.temperature)
-                for r, i in enumerate(mb):
-                    ref[i] = lr_[r][cm[r]].cpu()
+    old, ref, entropy = _learner_logprobs(policy, batch, mbs, cfg, device, metrics, obj.kl_beta > 0)
     t_old = time.time()
 
     params = trainable(policy)
@@ -418,10 +439,9 @@ def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device
     first, last = epochs[0], epochs[-1]
     metrics.update(
         updated=True, optimizer_steps=obj.epochs, step_after=sched.last_epoch, micro_batches=len(mbs),
-        loss=last["loss"], entropy=ent_sum / max(ent_n, 1), clip_fraction=last["clip_fraction"],
+        loss=last["loss"], entropy=entropy, clip_fraction=last["clip_fraction"],
         approx_kl=last["approx_kl"], grad_norm=last["grad_norm"], lr=last["lr"],
         ratio_mean=last["ratio_mean"],
-        rollout_logp_abs_diff=first.get("rollout_logp_abs_diff"), rollout_kl=first.get("rollout_kl"),
         tis_weight_mean=first.get("tis_weight_mean"), tis_capped_fraction=first.get("tis_capped_fraction"),
         ref_kl=last.get("ref_kl"), epochs=epochs,
         seconds_logp_old=t_old - t0, seconds_update=t_end - t_upd, seconds=t_end - t0,
