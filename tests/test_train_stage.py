@@ -488,6 +488,23 @@ def _bad_case(case: str, data, run1, root: Path) -> tuple[list[str], dict, str]:
     if case == "nan_reward":
         bad = [dict(r, reward=float("nan")) if i == 5 else r for i, r in enumerate(rew)]
         return [], {"rewards": _publish_table(root / "r", to_table(bad, REWARDS))}, "finite"
+    if case in ("null_logprob", "inf_logprob", "abort", "shifted_indices"):
+        def spoil(i, r):
+            if case == "shifted_indices":  # every group 1..G instead of 0..G-1: sizes agree, keys do not
+                return dict(r, sample_index=r["sample_index"] + 1)
+            if i != 3:
+                return r
+            if case == "abort":
+                return dict(r, finish_reason="abort")
+            return dict(r, completion_logprobs=[None if case == "null_logprob" else float("-inf")]
+                        + r["completion_logprobs"][1:])
+        bad = [spoil(i, r) for i, r in enumerate(rows)]
+        rewards = [dict(r, sample_index=r["sample_index"] + 1) for r in rew] if case == "shifted_indices" else rew
+        msg = {"null_logprob": "missing, non-finite or positive completion logprob",
+               "inf_logprob": "missing, non-finite or positive completion logprob",
+               "abort": "finish_reason 'abort'", "shifted_indices": "expected 0..3"}[case]
+        return [], {"rollouts": _publish_table(root / "ro", to_table(bad, ROLLOUTS)),
+                    "rewards": _publish_table(root / "r", to_table(rewards, REWARDS))}, msg
     out1, _ = run1
     if case == "rank_mismatch":
         return ["--adapter", str(out1), "--lora-rank", "4"], {}, "rank mismatch"
@@ -504,7 +521,8 @@ def _bad_case(case: str, data, run1, root: Path) -> tuple[list[str], dict, str]:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["no_join", "incomplete_group", "nan_reward", "rank_mismatch", "shape_mismatch"])
+@pytest.mark.parametrize("case", ["no_join", "incomplete_group", "nan_reward", "null_logprob", "inf_logprob", "abort",
+                                  "shifted_indices", "rank_mismatch", "shape_mismatch"])
 def test_bad_input_exit_2_and_nothing_published(case, smollm2_nvfp4, data, run1, tmp_path, capsys):
     extra, over, msg = _bad_case(case, data, run1, tmp_path)
     out = tmp_path / "out"

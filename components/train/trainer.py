@@ -88,6 +88,13 @@ def load_batch(rollouts: pa.Table, rewards: pa.Table, where: str = "rewards") ->
     cols = {c: rollouts.column(c).to_pylist() for c in
             ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason",
              "iteration", "adapter_digest")}
+    indices: dict[str, set[int]] = {}
+    for pid, si in keys:
+        indices.setdefault(pid, set()).add(si)
+    bad = next((p for p, got in sorted(indices.items()) if got != set(range(common))), None)
+    if bad is not None:
+        raise SchemaError(f"rollouts: prompt {bad} has sample indices {sorted(indices[bad])}, expected "
+                          f"0..{common - 1}: a group is incomplete or mixes samples of different rollouts")
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     for i in order:
         pid, si = keys[i]
@@ -96,8 +103,14 @@ def load_batch(rollouts: pa.Table, rewards: pa.Table, where: str = "rewards") ->
             raise SchemaError(f"rollouts: sample {pid}#{si} has an empty prompt")
         if len(lp) != len(c):
             raise SchemaError(f"rollouts: sample {pid}#{si} has {len(c)} completion tokens but {len(lp)} logprobs")
-        if any(math.isnan(x) or x > 1e-3 for x in lp):
-            raise SchemaError(f"rollouts: sample {pid}#{si} has a NaN or positive completion logprob")
+        if any(x is None or not math.isfinite(x) or x > 1e-3 for x in lp):
+            raise SchemaError(f"rollouts: sample {pid}#{si} has a missing, non-finite or positive completion "
+                              "logprob (the engine's log-probability of each sampled token is a finite number <= 0)")
+        if any(t is None for t in p + c):
+            raise SchemaError(f"rollouts: sample {pid}#{si} has a missing token id")
+        if cols["finish_reason"][i] not in ("stop", "length"):
+            raise SchemaError(f"rollouts: sample {pid}#{si} has finish_reason {cols['finish_reason'][i]!r}; "
+                              "a completion the learner can use ended with 'stop' or 'length'")
     pick = lambda name: [cols[name][i] for i in order]  # noqa: E731
     return Batch(
         prompt_ids=[keys[i][0] for i in order], sample_index=[keys[i][1] for i in order],
