@@ -403,8 +403,11 @@ def test_end_to_end_publishes_standard_peft_adapter(run1, smollm2_artifact, toke
     torch.testing.assert_close(again, before)
 
 
-def test_rollouts_prefix_of_shards(smollm2_nvfp4, data, tmp_path):
-    """A prefix holding several shard artifacts reads as their concatenation (KFP passes one)."""
+def test_rollouts_prefix_of_shards(run1, smollm2_nvfp4, data, tmp_path):
+    """A prefix holding several shard artifacts reads as their concatenation (KFP passes one):
+    the stage trains on it exactly as on the same rows in one shard."""
+    from safetensors.torch import load_file
+
     from components.common.schemas import read_artifact_table
     from components.common.storage import expand_artifacts
 
@@ -415,6 +418,10 @@ def test_rollouts_prefix_of_shards(smollm2_nvfp4, data, tmp_path):
     shards = expand_artifacts([str(tmp_path / "rollouts")])
     assert [Path(s).name for s in shards] == ["shard-000-of-002", "shard-001-of-002"]
     assert sum(read_artifact_table(s, "rollouts").num_rows for s in shards) == len(rows)
+    out = tmp_path / "adapter"
+    assert _train_in_process(smollm2_nvfp4, data, out, rollouts=str(tmp_path / "rollouts")) == 0
+    a, b = load_file(str(run1[0] / "adapter_model.safetensors")), load_file(str(out / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_equals_uninterrupted(run1, smollm2_nvfp4, data):
