@@ -38,7 +38,7 @@ def make_shards(root: Path, vocab: int, seqs: int, seq_len: int, prompt_len: int
         rollouts.append(dict(prompt_id=pid, sample_index=k, prompt_token_ids=prompt, completion_token_ids=comp,
                              completion_logprobs=[-rng.uniform(5, 15) for _ in comp], completion_text="",
                              finish_reason="stop", answer="0", iteration=0, adapter_digest="", aqn_sigma=0.0,
-                             aqn_seed=0, sampling_seed=0, max_tokens=seq_len))
+                             aqn_seed=0, sampling_seed=0, max_tokens=seq_len, temperature=1.0, top_p=1.0))
         rewards.append(dict(prompt_id=pid, sample_index=k, reward=float(k), components={"synthetic": float(k)}))
     out = []
     for name, rows, schema, kind in (("rollouts", rollouts, ROLLOUTS, "rollout"), ("rewards", rewards, REWARDS, "reward")):

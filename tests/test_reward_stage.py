@@ -35,7 +35,8 @@ def rollout_row(pid: str, idx: int, text: str, gold: str, n: int, finish: str) -
     return {"prompt_id": pid, "sample_index": idx, "prompt_token_ids": [1, 2, 3],
             "completion_token_ids": list(range(10, 10 + n)), "completion_logprobs": [-0.5] * n,
             "completion_text": text, "finish_reason": finish, "answer": gold, "iteration": 0,
-            "adapter_digest": "", "aqn_sigma": 0.01, "aqn_seed": 7, "sampling_seed": 11, "max_tokens": 12}
+            "adapter_digest": "", "aqn_sigma": 0.01, "aqn_seed": 7, "sampling_seed": 11, "max_tokens": 12,
+            "temperature": 1.0, "top_p": 1.0}
 
 
 def rollouts_table(keys=None) -> pa.Table:
@@ -139,7 +140,7 @@ def test_shards_round_trip(root):
     prefix = publish_rollouts(root)
     rollouts = read_artifact_table(prefix + "/shard-000-of-002", "rollouts")
     assert rollouts.equals(rollouts_table([("p1", 0), ("p1", 1)]))
-    assert rollouts.schema.metadata[b"qerl.schema_version"] == b"1.0"
+    assert rollouts.schema.metadata[b"qerl.schema_version"] == b"1.1"
     out = f"{root}/rewards"
     run_cli("components.reward", "--rollouts", prefix, "--output", out)
     rewards = read_artifact_table(out, "rewards")

@@ -120,14 +120,14 @@ def greedy(engine, ids, lora=None, n_tokens=16, seed=0, temperature=0.0, n=1):
     return [(list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]) for c in out]
 
 
-def hf_logprobs(model, ids, completion, adapter_dir=None):
+def hf_logprobs(model, ids, completion, adapter_dir=None, temperature=1.0):
     from peft import PeftModel
 
     m = PeftModel.from_pretrained(model, adapter_dir) if adapter_dir else model
     try:
         x = torch.tensor([ids + completion])
         with torch.no_grad():
-            logits = m(x).logits[0, len(ids) - 1:-1].float()
+            logits = m(x).logits[0, len(ids) - 1:-1].float() / temperature
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
     finally:
         if adapter_dir:
@@ -161,6 +161,18 @@ def test_seeded_sampling_reproduces(engine, smollm2_artifact):
     c = greedy(engine, ids, temperature=1.0, seed=8, n=3)
     assert a == b and a != c
     assert len({tuple(t) for t, _ in a}) > 1  # the G samples of a group differ
+
+
+def test_logprobs_are_of_the_sampling_distribution(engine, reference, smollm2_artifact):
+    """At temperature T the engine reports log softmax(logits / T) of each sampled token, what
+    the learner computes at T (vLLM's default would be the plain logits' log-probs)."""
+    ids = prompt_ids(smollm2_artifact)
+    tokens, lp = greedy(engine, ids, temperature=2.0, seed=3, n_tokens=12)[0]
+    d = (torch.tensor(lp) - hf_logprobs(reference, ids, tokens, temperature=2.0)).abs()
+    plain = (torch.tensor(lp) - hf_logprobs(reference, ids, tokens)).abs()
+    print(f"\n|engine - learner| at T: {d.mean():.4f}, at 1: {plain.mean():.4f}")
+    assert d.mean() < LOGPROB_ATOL_MEAN and d.max() < LOGPROB_ATOL_MAX, d
+    assert plain.mean() > 10 * d.mean(), (plain.mean(), d.mean())
 
 
 def test_aqn_in_the_engine(engine, smollm2_artifact):
@@ -222,7 +234,7 @@ def test_stage_cli_end_to_end(smollm2_nvfp4, prompts, adapters, tmp_path):
     p = run_cli("components.rollout", "--model", str(smollm2_nvfp4), "--prompts", str(prompts), "--output", str(out),
             "--adapter", str(adapters[0]), "--iteration", "1", "--prompts-per-iteration", "4", "--samples", "2",
             "--max-tokens", "8", "--aqn-sigma", "0.01", "--shard", "0", "--num-shards", "2", "--max-lora-rank", "16",
-            "--max-model-len", "512")
+            "--max-model-len", "512", "--temperature", "0.8", "--top-p", "0.95")
     assert "NVFP4 linear kernel(s): QeRLDequantNvFp4LinearKernel" in p.stderr  # the log names the kernel
     table = read_artifact_table(str(out), "rollouts")
     rows = table.to_pylist()
@@ -233,7 +245,12 @@ def test_stage_cli_end_to_end(smollm2_nvfp4, prompts, adapters, tmp_path):
         assert all(lp <= 0 for lp in r["completion_logprobs"])
         assert r["iteration"] == 1 and r["adapter_digest"] == digest and r["aqn_sigma"] == pytest.approx(0.01)
         assert r["finish_reason"] in ("stop", "length") and r["max_tokens"] == 8
+        assert r["temperature"] == pytest.approx(0.8) and r["top_p"] == pytest.approx(0.95)
     metrics = json.loads((out / "metrics.json").read_text())
+    assert len({r["aqn_seed"] for r in rows}) == 1 and metrics["aqn_seed"] == rows[0]["aqn_seed"]
+    lengths = [len(r["completion_token_ids"]) for r in rows]
+    assert metrics["completion_len_mean"] == pytest.approx(sum(lengths) / 4) and metrics["completion_len_max"] == max(lengths)
+    assert metrics["truncation_rate"] == sum(r["finish_reason"] == "length" for r in rows) / 4
     assert metrics["samples"] == 4 and metrics["tokens_per_second"] > 0 and metrics["aqn_modules"] == 60
     assert metrics["linear_kernels"] == ["QeRLDequantNvFp4LinearKernel"]
     assert metrics["nvfp4_backend"] == "dequant" and metrics["concurrency"] == 4

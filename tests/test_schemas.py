@@ -11,7 +11,8 @@ from components.common.storage import publish_dir
 ROLLOUT_ROW = {"prompt_id": "gsm8k-ab", "sample_index": 3, "prompt_token_ids": [1, 2, 3],
                "completion_token_ids": [7, 8], "completion_logprobs": [-0.5, -1.25], "completion_text": "hi",
                "finish_reason": "stop", "answer": "42", "iteration": 2, "adapter_digest": "abc",
-               "aqn_sigma": 0.01, "aqn_seed": 7, "sampling_seed": 11, "max_tokens": 64}
+               "aqn_sigma": 0.01, "aqn_seed": 7, "sampling_seed": 11, "max_tokens": 64,
+               "temperature": 1.0, "top_p": 1.0}
 ROWS = {
     "prompts": (PROMPTS, [{"prompt_id": "p1", "split": "train", "question": "1+1?", "answer": "2", "solution": "",
                            "prompt_text": "<s>1+1?", "prompt_token_ids": [1, 5], "source": "gsm8k"}]),
@@ -25,7 +26,7 @@ ROWS = {
 def test_round_trip(kind):
     schema, rows = ROWS[kind]
     table = read_ipc(write_ipc(to_table(rows, schema)), kind)
-    assert table.schema.metadata[b"qerl.schema_version"] == b"1.0"
+    assert table.schema.metadata[b"qerl.schema_version"] == b"1.1"
     back = table.to_pylist()
     assert back[0]["prompt_id"] == rows[0]["prompt_id"]
     if kind == "rollouts":
@@ -59,6 +60,13 @@ def test_wrong_kind_and_missing_column_refused():
         read_ipc(write_ipc(t.drop_columns(["aqn_sigma"])), "rollouts")
     with pytest.raises(SchemaError, match="not an Arrow IPC file"):
         read_ipc(b"definitely not arrow", "rollouts")
+
+
+def test_columns_added_by_a_minor_version_may_be_missing_from_older_shards():
+    old = to_table([ROLLOUT_ROW], ROLLOUTS).drop_columns(["temperature", "top_p"])
+    assert read_ipc(write_ipc(_retag(old, **{"qerl.schema_version": "1.0"})), "rollouts").num_rows == 1
+    with pytest.raises(SchemaError, match="column 'temperature' is missing"):
+        read_ipc(write_ipc(old), "rollouts")  # a 1.1 shard must have it
 
 
 def test_rows_that_do_not_fit_are_refused():

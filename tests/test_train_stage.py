@@ -294,7 +294,8 @@ def _rollout_rows(tokenizer, base_policy, iteration: int, digest: str = "") -> l
                      "completion_token_ids": comp, "completion_logprobs": noisy.tolist(),
                      "completion_text": text, "finish_reason": "length" if truncated else "stop",
                      "answer": a, "iteration": iteration, "adapter_digest": digest, "aqn_sigma": 0.0,
-                     "aqn_seed": 0, "sampling_seed": 0, "max_tokens": 16})
+                     "aqn_seed": 0, "sampling_seed": 0, "max_tokens": 16, "temperature": 1.0,
+                     "top_p": 1.0})
     return rows
 
 
@@ -379,6 +380,7 @@ def test_end_to_end_publishes_standard_peft_adapter(run1, smollm2_artifact, toke
               "dropped_group_fraction", "rollout_logp_abs_diff", "rollout_kl", "tokens_per_s", "peak_memory_mb"):
         assert m[k] is not None and m[k] == m[k], k
     assert m["updated"] and m["step"] == 1 and m["micro_batches"] >= 2
+    assert m["temperature"] == 1.0 and m["rollout_top_p"] == 1.0  # --temperature 0: the rollouts'
     assert 0.01 < m["rollout_logp_abs_diff"] < 0.1  # the 0.05-sigma perturbation
     assert 0 < m["mismatch_tokens"] <= m["completion_tokens"]  # the kept groups' completions, truncated included
     assert m["entropy"] > 0 and m["grad_norm"] > 0 and m["tokens_per_s"] > 0
@@ -495,6 +497,10 @@ def _bad_case(case: str, data, run1, root: Path) -> tuple[list[str], dict, str]:
     if case == "nan_reward":
         bad = [dict(r, reward=float("nan")) if i == 5 else r for i, r in enumerate(rew)]
         return [], {"rewards": _publish_table(root / "r", to_table(bad, REWARDS))}, "finite"
+    if case in ("temperature", "mixed_temperatures"):
+        bad = [dict(r, temperature=0.7 if case == "temperature" or r["prompt_id"] == "p1" else 1.0) for r in rows]
+        msg = "differs from the rollouts' log-prob temperature" if case == "temperature" else "one batch needs one"
+        return ["--temperature", "1.0"], {"rollouts": _publish_table(root / "ro", to_table(bad, ROLLOUTS))}, msg
     if case in ("null_logprob", "inf_logprob", "abort", "shifted_indices"):
         def spoil(i, r):
             if case == "shifted_indices":  # every group 1..G instead of 0..G-1: sizes agree, keys do not
@@ -529,7 +535,8 @@ def _bad_case(case: str, data, run1, root: Path) -> tuple[list[str], dict, str]:
 
 
 @pytest.mark.parametrize("case", ["no_join", "incomplete_group", "nan_reward", "null_logprob", "inf_logprob", "abort",
-                                  "shifted_indices", "rank_mismatch", "shape_mismatch"])
+                                  "shifted_indices", "temperature", "mixed_temperatures", "rank_mismatch",
+                                  "shape_mismatch"])
 def test_bad_input_exit_2_and_nothing_published(case, smollm2_nvfp4, data, run1, tmp_path, capsys):
     extra, over, msg = _bad_case(case, data, run1, tmp_path)
     out = tmp_path / "out"

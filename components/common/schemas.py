@@ -2,8 +2,14 @@
 
 Each shard is one Arrow IPC file whose schema metadata names the schema and its version
 (`qerl.schema`, `qerl.schema_version`). Readers accept any 1.x and refuse another major
-version, or a shard of the wrong kind, with a clear error. A rollout sample is keyed by
+version, or a shard of the wrong kind, with a clear error. A minor version only adds columns;
+each added column says since when (field metadata `qerl.since`), and a shard of an older minor
+version may lack it (readers then use the documented default). A rollout sample is keyed by
 (prompt_id, sample_index); a reward row carries the same key.
+
+1.1: rollouts gained `temperature` and `top_p`; `completion_logprobs` became the log-probs of
+the distribution sampled from (vLLM's processed log-probs: logits / temperature, renormalized
+over the top-p nucleus). 1.0 rollouts hold log-probs of the unscaled logits (temperature 1).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import math
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 
 class SchemaError(ValueError):
@@ -41,6 +47,7 @@ ROLLOUTS = _schema("rollouts", [
     pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("completion_token_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("completion_logprobs", pa.list_(pa.float32()), nullable=False),  # engine logprob per sampled token
+    # … under the sampling distribution: logits / temperature over the top-p nucleus (1.0: plain logits)
     pa.field("completion_text", pa.string(), nullable=False),
     pa.field("finish_reason", pa.string(), nullable=False),    # "stop" or "length"
     pa.field("answer", pa.string(), nullable=False),           # gold answer, carried for the reward stage
@@ -50,6 +57,8 @@ ROLLOUTS = _schema("rollouts", [
     pa.field("aqn_seed", pa.int64(), nullable=False),
     pa.field("sampling_seed", pa.int64(), nullable=False),
     pa.field("max_tokens", pa.int32(), nullable=False),
+    pa.field("temperature", pa.float32(), nullable=False, metadata={"qerl.since": "1.1"}),  # sampling; 0 = greedy
+    pa.field("top_p", pa.float32(), nullable=False, metadata={"qerl.since": "1.1"}),
 ])
 
 REWARDS = _schema("rewards", [
@@ -104,12 +113,20 @@ def validate(table: pa.Table, expect: str, where: str = "shard") -> None:
     want = SCHEMAS[expect]
     for field in want:
         if field.name not in table.schema.names:
+            since = (field.metadata or {}).get(b"qerl.since", b"").decode()
+            if since and _minor(version) < _minor(since):
+                continue  # added after this shard's version: readers use the column's default
             raise SchemaError(f"{where}: column {field.name!r} is missing from the {expect} table")
         got = table.schema.field(field.name).type
         if got != field.type:
             raise SchemaError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
         if table.column(field.name).null_count:
             raise SchemaError(f"{where}: column {field.name!r} has null values")
+
+
+def _minor(version: str) -> int:
+    parts = version.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
 
 
 def check_finite(values, what: str) -> None:

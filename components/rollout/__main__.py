@@ -186,7 +186,8 @@ def main(cfg: RolloutConfig) -> None:
                          "finish_reason": comp.finish_reason or "stop", "answer": prompt["answer"],
                          "iteration": cfg.iteration, "adapter_digest": adapter.digest if adapter else "",
                          "aqn_sigma": cfg.aqn_sigma, "aqn_seed": aqn_seed,
-                         "sampling_seed": cfg.seed, "max_tokens": cfg.max_tokens})
+                         "sampling_seed": cfg.seed, "max_tokens": cfg.max_tokens,
+                         "temperature": cfg.temperature, "top_p": cfg.top_p})
     lengths = [len(r["completion_token_ids"]) for r in rows]
     metrics = {"prompts": len(chosen), "samples": len(rows), "completion_tokens": sum(lengths),
                "tokens_per_second": sum(lengths) / max(seconds, 1e-9), "generate_seconds": seconds,

@@ -193,7 +193,10 @@ class RolloutEngine:
         kw = dict(model=str(self.model_dir), dtype="bfloat16", seed=cfg.seed, max_model_len=cfg.max_model_len,
                   enable_lora=enable_lora, max_num_seqs=cfg.max_num_seqs,
                   enforce_eager=self.cpu if cfg.enforce_eager is None else cfg.enforce_eager,
-                  enable_prefix_caching=True)
+                  enable_prefix_caching=True,
+                  # the log-prob of each sampled token under the distribution it was sampled from
+                  # (logits / temperature, top-p applied), which the learner's ratios compare against
+                  logprobs_mode="processed_logprobs")
         if enable_lora:
             kw.update(max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras)
         if not self.cpu:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ class TrainConfig:
     scale_rewards: bool = field(True, help="divide group-centred rewards by the group std (False: Dr. GRPO)")
     kl_beta: float = field(0.0, help="weight of the k3 KL to the reference policy (base, adapter disabled); 0: off, no reference pass")
     tis_cap: float = field(2.0, help="truncated importance sampling cap C of min(exp(logp_old - logp_rollout), C); 0 disables the correction")
-    temperature: float = field(1.0, help="logits are divided by this before log-probs (match the rollout engine's logprob convention)")
+    temperature: float = field(0.0, help="the policy's sampling temperature: logits are divided by it before log-probs. "
+                               "0: the rollouts' (their temperature column); another value must agree with it")
     epochs: int = field(1, help="passes over the batch, one optimizer step each (mu)")
     micro_batch_tokens: int = field(4096, help="padded tokens (rows x longest sequence) per forward/backward micro-batch")
     # optimizer and schedule
@@ -118,7 +120,8 @@ class TrainConfig:
                 f"need 0 <= --warmup-steps <= --total-steps and --total-steps >= 1, got {self.warmup_steps}, {self.total_steps}")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
-        require(self.temperature > 0, f"--temperature must be > 0, got {self.temperature}")
+        require(math.isfinite(self.temperature) and self.temperature >= 0,
+                f"--temperature must be >= 0 (0: the rollouts'), got {self.temperature}")
         require(self.tis_cap == 0 or self.tis_cap >= 1, f"--tis-cap must be 0 (off) or >= 1, got {self.tis_cap}")
         require(self.iteration >= 0, f"--iteration must be >= 0, got {self.iteration}")
         self.objective()
@@ -176,6 +179,11 @@ def main(cfg: TrainConfig) -> None:
     rollouts = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     rewards = read_artifact_table(cfg.rewards, "rewards")
     batch = T.load_batch(rollouts, rewards, where=f"rewards {cfg.rewards}")
+    T.policy_temperature(cfg, batch)  # a temperature that disagrees with the rollouts' fails here
+    if batch.top_p < 1:
+        log.warning("rollouts were sampled with top-p %g: their log-probs are over the nucleus, the learner's over "
+                    "the whole vocabulary, so the TIS weights and mismatch metrics include that truncation",
+                    batch.top_p)
     iters = sorted(set(batch.iterations))
     if iters != [cfg.iteration]:
         log.warning("rollouts carry iteration(s) %s, training as iteration %d", iters, cfg.iteration)

@@ -57,6 +57,8 @@ class Batch:
     group_size: int
     iterations: list[int]
     adapter_digests: list[str]
+    logprob_temperature: float = 1.0   # the temperature the rollout logprobs were computed at
+    top_p: float = 1.0                 # the smallest top-p the rollouts were sampled with
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -88,6 +90,15 @@ def load_batch(rollouts: pa.Table, rewards: pa.Table, where: str = "rewards") ->
     cols = {c: rollouts.column(c).to_pylist() for c in
             ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason",
              "iteration", "adapter_digest")}
+    # 1.1 shards: log-probs of the sampling distribution (logits / T; greedy rows: plain logits).
+    # 1.0 shards have no column and hold plain-logit log-probs: temperature 1.
+    names = rollouts.schema.names
+    temps = {(t if t > 0 else 1.0) for t in rollouts.column("temperature").to_pylist()} if "temperature" in names \
+        else {1.0}
+    if len(temps) != 1 or not all(math.isfinite(t) for t in temps):
+        raise SchemaError(f"rollouts: sampled at temperatures {sorted(temps)}; one batch needs one temperature "
+                          "(the learner's log-probs are computed at it)")
+    top_p = min(rollouts.column("top_p").to_pylist()) if "top_p" in names and len(rollouts) else 1.0
     indices: dict[str, set[int]] = {}
     for pid, si in keys:
         indices.setdefault(pid, set()).add(si)
@@ -119,7 +130,21 @@ def load_batch(rollouts: pa.Table, rewards: pa.Table, where: str = "rewards") ->
         truncated=[f == "length" for f in pick("finish_reason")],
         rewards=torch.tensor([reward_of[keys[i]] for i in order], dtype=torch.float64),
         group_size=common, iterations=pick("iteration"), adapter_digests=pick("adapter_digest"),
+        logprob_temperature=temps.pop(), top_p=top_p,
     )
+
+
+def policy_temperature(cfg, batch: Batch) -> float:
+    """The temperature the learner computes log-probs at: the rollouts' (cfg.temperature 0), or
+    cfg.temperature when it agrees with them; otherwise the ratios would compare two different
+    distributions, so ConfigError."""
+    if cfg.temperature == 0:
+        return batch.logprob_temperature
+    if not math.isclose(cfg.temperature, batch.logprob_temperature, rel_tol=1e-5):
+        raise ConfigError(f"--temperature {cfg.temperature} differs from the rollouts' log-prob temperature "
+                          f"{batch.logprob_temperature}: the ratios to the rollout log-probs would compare "
+                          "different distributions (leave --temperature 0 to use the rollouts')")
+    return cfg.temperature
 
 
 def check_vocab(batch: Batch, vocab_size: int | None) -> None:
@@ -326,8 +351,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _learner_logprobs(policy, batch: Batch, mbs: list[list[int]], cfg, device: torch.device, metrics: dict,
-                      with_reference: bool) -> tuple[dict[int, Tensor], dict[int, Tensor], float]:
+def _learner_logprobs(policy, batch: Batch, mbs: list[list[int]], temperature: float, device: torch.device,
+                      metrics: dict, with_reference: bool) -> tuple[dict[int, Tensor], dict[int, Tensor], float]:
     """The learner's log-probs of every completion token of the rows in `mbs`, before any update
     ({row: [T_i]}), the reference's (adapter disabled) when asked, and the mean token entropy.
 
@@ -341,7 +366,7 @@ def _learner_logprobs(policy, batch: Batch, mbs: list[list[int]], cfg, device: t
     with torch.no_grad():
         for mb in mbs:
             ids, am, cm = _collate(batch, mb, device)
-            lp, ent = logprobs(policy, ids, am, cm, temperature=cfg.temperature, with_entropy=True)
+            lp, ent = logprobs(policy, ids, am, cm, temperature=temperature, with_entropy=True)
             n = int(cm.sum())
             ent_sum, ent_n = ent_sum + float(ent) * n, ent_n + n
             for r, i in enumerate(mb):
@@ -350,7 +375,7 @@ def _learner_logprobs(policy, batch: Batch, mbs: list[list[int]], cfg, device: t
                 abs_sum += float(d.abs().sum())
                 kl_sum += float((torch.expm1(d) - d).sum())
             if with_reference:
-                lr_ = reference_logprobs(policy, ids, am, cm, temperature=cfg.temperature)
+                lr_ = reference_logprobs(policy, ids, am, cm, temperature=temperature)
                 for r, i in enumerate(mb):
                     ref[i] = lr_[r][cm[r]].cpu()
     metrics.update(rollout_logp_abs_diff=abs_sum / max(ent_n, 1), rollout_kl=kl_sum / max(ent_n, 1),
@@ -369,6 +394,7 @@ def train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device)
 def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device) -> dict:
     obj = cfg.objective()
     t0 = time.time()
+    temperature = policy_temperature(cfg, batch)
     adv, keep, gstats = O.group_advantages(batch.rewards, batch.prompt_ids, obj)
     rows = [i for i in range(len(batch)) if keep[i]]
     counts = [len(batch.completion_tokens[i]) for i in rows]
@@ -382,7 +408,7 @@ def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device
         "kept_sequences": len(rows), "reward_mean": gstats["reward_mean"], "reward_std": gstats["reward_std"],
         "completion_tokens": int(sum(len(c) for c in batch.completion_tokens)),
         "truncated_fraction": sum(batch.truncated) / len(batch), "loss_normalizer": norm,
-        "step_before": sched.last_epoch,
+        "step_before": sched.last_epoch, "temperature": temperature, "rollout_top_p": batch.top_p,
     }
     def micro_batches_of(idx: list[int]) -> list[list[int]]:
         return [[idx[j] for j in mb] for mb in
@@ -395,7 +421,7 @@ def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device
         log.warning("no update this iteration: %s; publishing the adapter unchanged", why)
         # the rollout/learner mismatch is still measured, over every sample (a forward pass, no update)
         scored = rows or list(range(len(batch)))
-        _, _, entropy = _learner_logprobs(policy, batch, micro_batches_of(scored), cfg, device, metrics, False)
+        _, _, entropy = _learner_logprobs(policy, batch, micro_batches_of(scored), temperature, device, metrics, False)
         metrics.update(updated=False, skipped_reason=why, optimizer_steps=0, step_after=sched.last_epoch,
                        entropy=entropy, seconds=time.time() - t0, peak_memory_mb=_peak_memory_mb(device))
         return metrics
@@ -403,7 +429,7 @@ def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device
     mbs = micro_batches_of(rows)
     adv = adv.to(torch.float32)
     truncated = torch.tensor(batch.truncated, dtype=torch.bool)
-    old, ref, entropy = _learner_logprobs(policy, batch, mbs, cfg, device, metrics, obj.kl_beta > 0)
+    old, ref, entropy = _learner_logprobs(policy, batch, mbs, temperature, device, metrics, obj.kl_beta > 0)
     t_old = time.time()
 
     params = trainable(policy)
@@ -417,7 +443,7 @@ def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device
         loss_sum, n_tok = 0.0, 0.0
         for mb in mbs:
             ids, am, cm = _collate(batch, mb, device)
-            new, _ = logprobs(policy, ids, am, cm, temperature=cfg.temperature)
+            new, _ = logprobs(policy, ids, am, cm, temperature=temperature)
             roll = _scatter([torch.tensor(batch.rollout_logprobs[i]) for i in mb], cm)
             old_t = _scatter([old[i] for i in mb], cm)
             ref_t = _scatter([ref[i] for i in mb], cm) if obj.kl_beta > 0 else None
