@@ -363,6 +363,30 @@ def _interpreter_check() -> dict:
             expect(f"sweep {name} {cfg}", gemm.linear_w4a16(x, *q, _config=dict(cfg)), want_ref[m],
                    x.double() @ w64.t(), (m, 144))
 
+    # the learner's layer on the fused backend (QERL_NVFP4_GEMM=fused): NVFP4Linear's forward and
+    # dX run through these kernels and equal autograd through the dequantized weight
+    import os
+
+    from kernels.nvfp4.linear import NVFP4Linear, backend_name
+    os.environ["QERL_NVFP4_GEMM"] = "fused"
+    try:
+        q = make_weight(48, 256, 321)
+        layer = NVFP4Linear.from_checkpoint_tensors(*q, bias=torch.randn(48, generator=gen), dtype=torch.bfloat16)
+        for m in (1, 16, 40):
+            x = torch.randn(m, 256, generator=gen).bfloat16().requires_grad_(True)
+            checks += 1
+            if backend_name(x) != "fused-triton":
+                failures.append(f"NVFP4Linear with QERL_NVFP4_GEMM=fused runs {backend_name(x)}")
+            y = layer(x)
+            dy = torch.randn(m, 48, generator=gen).bfloat16()
+            y.backward(dy)
+            w = ref.dequantize(*q, dtype=torch.float32).double()
+            expect(f"NVFP4Linear fused forward m{m}", y.detach(), gemm.reference_linear(x.detach(), *q, bias=layer.bias),
+                   x.detach().double() @ w.t() + layer.bias.double(), (m, 48))
+            expect(f"NVFP4Linear fused dX m{m}", x.grad, gemm.reference_grad_input(dy, *q), dy.double() @ w, (m, 256))
+    finally:
+        del os.environ["QERL_NVFP4_GEMM"]
+
     # the counter buffer is left zeroed by split-K launches
     checks += 1
     for buf in gemm._COUNTERS.values():

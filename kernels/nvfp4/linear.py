@@ -106,7 +106,8 @@ class _DequantCuBLAS:
 def _backend(x: Tensor):
     """THE choice of GEMM implementation. QERL_NVFP4_GEMM: 'auto' (default: dequant+cublas for
     bf16 CUDA activations, the reference otherwise), 'fused' (the fused Triton kernels of
-    kernels/nvfp4/gemm.py), 'reference' (byte-table dequantize + matmul; debugging, A/B)."""
+    kernels/nvfp4/gemm.py, for bf16 activations on CUDA, or on the CPU under TRITON_INTERPRET=1,
+    which tests use), 'reference' (byte-table dequantize + matmul; debugging, A/B)."""
     return _backend_for(x.device, x.dtype)
 
 
@@ -114,11 +115,12 @@ def _backend_for(device: torch.device, dtype: torch.dtype):
     choice = os.environ.get("QERL_NVFP4_GEMM", "auto")
     if choice not in ("auto", "fused", "reference"):
         raise ValueError(f"QERL_NVFP4_GEMM must be auto, fused or reference, not {choice!r}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if choice == "fused" and dtype == torch.bfloat16 and (device.type == "cuda" or interpreted):
+        fused = _fused()
+        if fused is not None:
+            return fused
     if device.type == "cuda" and dtype == torch.bfloat16 and choice != "reference":
-        if choice == "fused":
-            fused = _fused()
-            if fused is not None:
-                return fused
         return _DequantCuBLAS
     return _Reference
 
