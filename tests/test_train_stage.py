@@ -463,6 +463,26 @@ def test_resume_equals_uninterrupted(run1, smollm2_nvfp4, data):
     assert max(float((first[k] - resumed[k]).abs().max()) for k in first) > 1e-5
 
 
+def test_dapo_with_kl_and_two_epochs(run1, smollm2_nvfp4, data, tmp_path):
+    """The stage with the options the default run leaves off: DAPO (token aggregation, clip-higher,
+    dynamic sampling, truncated completions masked; unit-tested in test_objective.py), a KL term to the adapter-free reference
+    and mu = 2 optimizer steps over the batch."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "dapo"
+    assert _train_in_process(smollm2_nvfp4, data, out, "--loss-type", "dapo", "--kl-beta", "0.1",
+                             "--epochs", "2") == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["updated"] and m["optimizer_steps"] == 2 and len(m["epochs"]) == 2 and m["step"] == 2
+    assert m["step_after"] - m["step_before"] == 2
+    assert m["epochs"][0]["approx_kl"] < 1e-7 and m["epochs"][1]["approx_kl"] > 0  # the second step is off-policy
+    # iteration 0 starts from a zero LoRA B: the policy is the reference, KL 0; after one step it is not
+    assert m["epochs"][0]["ref_kl"] < 1e-7 < m["epochs"][1]["ref_kl"] and m["ref_kl"] == m["epochs"][1]["ref_kl"]
+    assert 0 < m["loss_normalizer"] <= m["completion_tokens"]  # token-level: the kept, untruncated tokens
+    a, b = load_file(str(run1[0] / "adapter_model.safetensors")), load_file(str(out / "adapter_model.safetensors"))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
 def test_all_groups_tied_publishes_unchanged_adapter(run1, smollm2_nvfp4, data):
     from safetensors.torch import load_file
 
