@@ -135,6 +135,21 @@ def test_listing(root, tmp_path):
         "iter-0000/rewards", "iter-0000/rollouts/shard-000-of-002", "prompts"]
 
 
+def test_a_retry_removes_what_a_dead_publish_left(root, tmp_path):
+    """Objects without a manifest (a publish that died) are not read with the next publish's."""
+    for name in ("model-00002-of-00002.safetensors", "sub/stale.txt"):
+        storage._open_output(storage.parse_uri(f"{root}/ckpt/{name}")).close()
+    publish_dir(_src(tmp_path, {"model.safetensors": b"new"}), f"{root}/ckpt", stage="test")
+    assert [n for n, _ in storage._list(storage.parse_uri(f"{root}/ckpt"))] == ["MANIFEST.json", "model.safetensors"]
+    if not root.startswith("s3://"):
+        assert sorted(p.name for p in Artifact(f"{root}/ckpt").local_dir().rglob("*")) == [
+            "MANIFEST.json", "model.safetensors"]
+    publish_dir(_src(tmp_path, {"model.safetensors": b"new"}), f"{root}/run/a", stage="test")
+    with pytest.raises(StorageError, match="holds other artifacts"):
+        publish_dir(_src(tmp_path, {"model.safetensors": b"new"}), f"{root}/run", stage="test")
+    assert Artifact(f"{root}/run/a").read_bytes("model.safetensors") == b"new"
+
+
 def test_a_prefix_of_shards_expands_only_when_complete(root, tmp_path):
     src = _src(tmp_path, {"x": b"1"})
     it = f"{root}/run/iter-0000"

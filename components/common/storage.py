@@ -298,7 +298,7 @@ def publish_dir(src_dir: str | os.PathLike, uri: str, *, stage: str, config: dic
 
     Returns the manifest. Refuses early if the artifact exists and `overwrite` is False; the
     final conditional manifest write makes the refusal race-free. If this dies midway the
-    prefix holds objects but no manifest: readers see nothing and a retry succeeds.
+    prefix holds objects but no manifest: readers see nothing, and a retry removes them first.
     """
     src = Path(src_dir)
     files = sorted(p for p in src.rglob("*") if p.is_file() and p.name != MANIFEST)
@@ -313,6 +313,16 @@ def publish_dir(src_dir: str | os.PathLike, uri: str, *, stage: str, config: dic
             os.unlink(loc.join(MANIFEST).path)
         else:
             s3_client().delete_object(Bucket=loc.bucket, Key=loc.join(MANIFEST).path)
+        _delete_prefix(loc)
+    elif leftovers := _list(loc):
+        # A publish that died midway (no manifest): its objects are nobody's, but a reader of the
+        # local directory (an HF loader globbing *.safetensors) would mix them with ours.
+        nested = [n for n, _ in leftovers if n.endswith("/" + MANIFEST)]
+        if nested:
+            raise StorageError(f"{loc.uri} holds other artifacts ({nested[0].rsplit('/', 1)[0]}, …): "
+                               "publish to a prefix of its own")
+        log.warning("%s holds %d object(s) of an unfinished publish and no manifest: removing them first",
+                    loc.uri, len(leftovers))
         _delete_prefix(loc)
     from tqdm import tqdm
 

@@ -177,7 +177,7 @@ def main(cfg: TrainConfig) -> None:
     shards = list(dict.fromkeys(expand_artifacts(cfg.rollouts, "rollout shard")))
     tables = [read_artifact_table(u, "rollouts") for u in shards]
     rollouts = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    rewards = read_artifact_table(cfg.rewards, "rewards")
+    rewards = read_artifact_table(cfg.rewards, "rewards", ["rewards.arrow"])  # the contract's one shard; extras ignored
     batch = T.load_batch(rollouts, rewards, where=f"rewards {cfg.rewards}")
     T.policy_temperature(cfg, batch)  # a temperature that disagrees with the rollouts' fails here
     if batch.top_p < 1:
