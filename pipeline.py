@@ -355,8 +355,16 @@ def rerun_inputs(cfg: RunConfig, stage: str, iteration: int) -> list[dict]:
         return [dict(rollouts=L.latest(L.rollouts_prefix(iteration)), output=nxt(L.rewards(iteration)),
                      config=_yaml(cfg.reward))]
     if stage == "train":
-        return [dict(model=L.latest(L.base_nvfp4()), rollouts=L.latest(L.rollouts_prefix(iteration)),
-                     rewards=L.latest(L.rewards(iteration)), output=nxt(L.adapter(iteration)), adapter=prev,
+        rollouts, rewards = L.latest(L.rollouts_prefix(iteration)), L.latest(L.rewards(iteration))
+        # Reward keys (prompt_id, sample_index) repeat across rollout versions: only the order of
+        # publication tells that the newest rewards scored older rollouts.
+        from components.common.storage import Artifact, list_artifacts
+        newest_rollout = max(Artifact(u).manifest["created"] for u in list_artifacts(rollouts))
+        if Artifact(rewards).manifest["created"] < newest_rollout:
+            raise ConfigError(f"the newest rewards of iteration {iteration} ({rewards}) are older than its newest "
+                              f"rollouts ({rollouts}): they scored other samples. Rerun reward first")
+        return [dict(model=L.latest(L.base_nvfp4()), rollouts=rollouts,
+                     rewards=rewards, output=nxt(L.adapter(iteration)), adapter=prev,
                      state=prev, config=_yaml({**cfg.train, "iteration": iteration}))]
     raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGE_NAMES)}")
 

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import pipeline
+from components.common.cli import ConfigError
 from components.common.layout import RunLayout
 from components.common.schemas import read_artifact_table
 from components.common.storage import Artifact, exists, list_artifacts
@@ -164,6 +165,28 @@ def test_rerun_pipeline_imports_its_inputs(tmp_path):
     assert any(n.startswith("importer") for n in dag) and "qerl-reward" in dag
     importer = next(e for n, e in spec["deploymentSpec"]["executors"].items() if "importer" in n)["importer"]
     assert importer["artifactUri"]["constant"] == "s3://qerl/runs/ci/iter-0001/rollouts"
+
+
+def test_rerun_train_refuses_rewards_of_older_rollouts(tmp_path):
+    import time
+
+    from components.common.storage import publish_dir
+
+    cfg = pipeline.load_run_config(None, root=str(tmp_path), run="r")
+    L = RunLayout(str(tmp_path), "r")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x").write_text("x")
+    for uri in (L.base_nvfp4(), L.rollouts(0), L.rewards(0)):
+        publish_dir(src, uri, stage="test", progress=False)
+    assert pipeline.rerun_inputs(cfg, "train", 0)[0]["rewards"] == L.rewards(0)
+    time.sleep(1.1)  # manifests record the second they were published
+    publish_dir(src, L.rollouts(0, version=2), stage="test", progress=False)  # a rollout rerun
+    with pytest.raises(ConfigError, match="are older than its newest rollouts .*Rerun reward first"):
+        pipeline.rerun_inputs(cfg, "train", 0)
+    publish_dir(src, L.rewards(0, version=2), stage="test", progress=False)  # … then a reward rerun
+    task = pipeline.rerun_inputs(cfg, "train", 0)[0]
+    assert task["rollouts"] == L.rollouts_prefix(0, 2) and task["rewards"] == L.rewards(0, 2)
 
 
 # --------------------------------------------------------------------------- local end to end
