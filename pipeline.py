@@ -115,7 +115,10 @@ class RunConfig:
             self.run = time.strftime("run-%Y%m%d-%H%M%S")
         if isinstance(self.cluster, dict):
             self.cluster = ClusterConfig(**self.cluster)
-        RunLayout(self.root, self.run)  # validates run name and root
+        try:
+            RunLayout(self.root, self.run)  # validates run name and root
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         require(self.iterations >= 1, "iterations must be at least 1")
         require(self.start_iteration >= 0, "start_iteration must be >= 0")
         require(self.rollout_shards >= 1, "rollout_shards must be at least 1")
@@ -124,6 +127,11 @@ class RunConfig:
         require(not self.start_iteration or self.init_adapter, "a chained run (start_iteration > 0) needs init_adapter")
         require(not self.reward_component or Path(self.reward_component).is_file(),
                 f"reward_component {self.reward_component!r} is not a file")
+        try:  # the AQN schedule's keys and values, at both ends of the run
+            for i in (0, self.start_iteration, self.start_iteration + self.iterations - 1):
+                self.sigma(i)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"aqn {self.aqn}: {e} (keys: sigma_start, sigma_end, stages)") from e
         self._check_stage_configs()
 
     def _check_stage_configs(self) -> None:
@@ -134,10 +142,12 @@ class RunConfig:
         from components.train.__main__ import TrainConfig
 
         u = "file:///placeholder"
-        for cls, given, uris in ((PromptsConfig, self.prompts, {"model": u, "output": u}),
-                                 (RolloutConfig, self.rollout, {"model": u, "prompts": u, "output": u}),
-                                 (RewardConfig, self.reward, {"rollouts": [u], "output": u}),
-                                 (TrainConfig, self.train, {"model": u, "rollouts": [u], "rewards": u, "output": u})):
+        checks = [(PromptsConfig, self.prompts, {"model": u, "output": u}),
+                  (RolloutConfig, self.rollout, {"model": u, "prompts": u, "output": u}),
+                  (TrainConfig, self.train, {"model": u, "rollouts": [u], "rewards": u, "output": u})]
+        if not self.reward_component:  # a custom reward's config is its own business
+            checks.append((RewardConfig, self.reward, {"rollouts": [u], "output": u}))
+        for cls, given, uris in checks:
             try:
                 cls(**{**given, **uris})
             except TypeError as e:
@@ -198,10 +208,18 @@ def custom_reward_twin(command: str, rollouts: str, output: str, config: str) ->
     import sys
 
     from components.reward.plugin import run_custom_reward
+    import tempfile
+
     argv = shlex.split(command)
     if argv and argv[0] in ("python", "python3"):  # the local stand-in for the image's python
         argv[0] = sys.executable
-    run_custom_reward(argv, [rollouts], output, config or None)
+    with tempfile.TemporaryDirectory() as tmp:  # the contract passes a config FILE, as the template's shim does
+        path = ""
+        if config:
+            path = f"{tmp}/reward-config.yaml"
+            with open(path, "w") as f:
+                f.write(config + "\n")
+        run_custom_reward(argv, [rollouts], output, path or None)
     return output
 
 
@@ -252,6 +270,10 @@ class Ops:
                 task = twin(**inputs)
             task.set_caching_options(False)
             return task
+        if stage == "reward" and self.cfg.reward_component and "config" not in (
+                self.specs[stage].component_spec.inputs or {}):  # a reward that takes no config (the contract allows it)
+            require(not inputs.pop("config", ""), f"reward_component {self.cfg.reward_component} declares no 'config' "
+                    "input, but the run config gives it a reward config: remove one of them")
         task = self.specs[stage](**inputs)
         if stage == "reward" and self.cfg.reward_component:
             task.set_display_name("reward (custom)")
@@ -336,6 +358,8 @@ def rerun_inputs(cfg: RunConfig, stage: str, iteration: int) -> list[dict]:
     """The inputs of one stage's task(s), read from the newest committed artifacts of the run;
     the output is the next version of the stage's own artifact, so the old one is never
     touched. A rollout rerun reruns every shard of the iteration into one new version."""
+    if iteration < 0:
+        raise ConfigError(f"--iteration must be >= 0, got {iteration}")
     L = RunLayout(cfg.root, cfg.run)
     nxt = lambda uri: uri if not L.versions(uri) else f"{uri}.v{L.next_version(uri)}"  # noqa: E731
     prev = L.latest(L.adapter(iteration - 1)) if iteration > cfg.start_iteration else cfg.init_adapter
@@ -572,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"pipeline.py: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # kfp.local: a task failed; its own error line was streamed above
-        if args.debug or not str(e).startswith("Pipeline"):
+    except RuntimeError as e:  # kfp.local or a local rerun: a task failed; its own error line was streamed above
+        from components.common.twin import StageFailed
+        if args.debug or not (str(e).startswith("Pipeline") or isinstance(e, StageFailed)):
             raise
         import re
         plain = re.sub(r"\x1b\[[0-9;]*m", "", str(e))

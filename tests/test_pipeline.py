@@ -102,6 +102,31 @@ def test_bad_run_config_is_refused(tmp_path):
     with pytest.raises(pipeline.ConfigError, match="unknown field"):
         pipeline.load_run_config(str(bad))
     assert pipeline.main(["compile", "--config", str(bad), "--output", str(tmp_path / "x.yaml")]) == 2
+    with pytest.raises(pipeline.ConfigError, match="bad run name"):
+        pipeline.load_run_config(None, run="Has Spaces")
+    with pytest.raises(pipeline.ConfigError, match="aqn .*keys: sigma_start, sigma_end, stages"):
+        pipeline.load_run_config(None, aqn={"sigma_begin": 0.01})
+    with pytest.raises(pipeline.ConfigError, match="aqn .*finite"):
+        pipeline.load_run_config(None, aqn={"sigma_start": -1.0, "sigma_end": 5e-4, "stages": 10})
+    # a custom reward's config is its own: not checked against the built-in reward's fields
+    example = str(ROOT / "examples/length_reward/component.yaml")
+    assert pipeline.load_run_config(None, reward_component=example, reward={"target_tokens": 64}).reward
+
+
+def test_a_custom_reward_without_a_config_input(tmp_path):
+    spec = yaml.safe_load((ROOT / "examples/length_reward/component.yaml").read_text())
+    spec["inputs"] = [i for i in spec["inputs"] if i["name"] != "config"]  # the contract allows dropping it
+    c = spec["implementation"]["container"]
+    c["command"] = ["python", "/app/length_reward.py", "--rollouts", {"inputValue": "rollouts"},
+                    "--output", {"inputValue": "output"}]
+    del c["args"]
+    path = tmp_path / "reward.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    ir, _ = compiled(tmp_path, reward_component=str(path), reward={})
+    task = next(t for n, t in ir["root"]["dag"]["tasks"].items() if n.startswith("length-reward"))
+    assert "config" not in task["inputs"]["parameters"]
+    with pytest.raises(pipeline.ConfigError, match="declares no 'config' input"):
+        compiled(tmp_path, reward_component=str(path), reward={"target_tokens": 64})
 
 
 class FakeKFP(BaseHTTPRequestHandler):
@@ -264,10 +289,12 @@ def test_chained_iteration_with_a_user_reward_component(local_run):
         **LOCAL_CONFIG, "root": str(root), "iterations": 1, "start_iteration": 2, "schedule_iterations": 3,
         "init_adapter": L.adapter(1),
         "reward_component": str(ROOT / "examples/length_reward/component.yaml"),
-        "reward_command": f"python {ROOT / 'examples/length_reward/length_reward.py'}", "reward": {}}))
+        "reward_command": f"python {ROOT / 'examples/length_reward/length_reward.py'}",
+        "reward": {"keywords": ["answer"], "keyword_weight": 0.25}}))  # reaches the program as a --config FILE
     p = run_pipeline_cli("run", "--config", str(chained))
     rewards = read_artifact_table(L.rewards(2), "rewards").to_pylist()
     assert {k for r in rewards for k, _ in r["components"]} >= {"length"}
+    assert Artifact(L.rewards(2)).manifest["config"]["keywords"] == ["answer"]  # the config file reached it
     it2 = read_artifact_table(L.rollouts(2), "rollouts").to_pylist()
     assert {r["adapter_digest"] for r in it2} == {Artifact(L.adapter(1)).digest}
     assert exists(L.adapter(2)) and "| 2 |" in p.stdout and "| 0 |" in p.stdout  # the report spans the whole run
