@@ -70,8 +70,13 @@ class ClusterConfig:
     kernel_cache_pvc: str = field("", help="PersistentVolumeClaim for the GPU tasks' compiled-kernel caches (Triton, the CUDA "
                                   "driver's JIT, torch.compile, vLLM), mounted at /var/cache/qerl; '' = none, every task "
                                   "compiles from scratch. manifests/components/gpu creates 'qerl-kernel-cache'")
-    s3_secret: str = field("qerl-s3", help="Kubernetes secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
-    reward_s3_secret: str = field("qerl-s3-reward", help="the reward tasks' own, narrower S3 credentials (reward contract)")
+    s3_secret: str = field("qerl-s3", help="Kubernetes secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                           "('' = none: the pods' own identity signs, e.g. IRSA with the aws overlay)")
+    reward_s3_secret: str = field("qerl-s3-reward", help="the reward tasks' own, narrower S3 credentials (reward "
+                                  "contract; '' = none, as for s3_secret)")
+    service_account: str = field("qerl-pipeline", help="Kubernetes service account the run's pods use (KFP sets one "
+                                 "per run, not per task: reward tasks use it too and are kept apart by their own S3 "
+                                 "secret and the NetworkPolicy on their label); '' = the namespace's default")
     s3_config_map: str = field("qerl-s3-config", help="ConfigMap whose AWS_ENDPOINT_URL / AWS_REGION every task gets ('' = none)")
     timeout_seconds: int = field(6 * 3600, help="per-task time limit")
     retries: int = field(2, help="retries of a task after a transient failure")
@@ -290,14 +295,18 @@ class Ops:
         task.set_cpu_request(c.cpu).set_memory_request(c.memory)
         task.set_retry(num_retries=c.retries, backoff_duration="60s", backoff_factor=2)
         kubernetes.set_timeout(task, c.timeout_seconds)
-        kubernetes.use_secret_as_env(task, secret_name=c.reward_s3_secret if stage == "reward" else c.s3_secret,
-                                     secret_key_to_env={"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
-                                                        "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
+        secret = c.reward_s3_secret if stage == "reward" else c.s3_secret
+        if secret:  # '' = no keys in the environment: the pod's own identity (IRSA, the aws overlay) signs
+            kubernetes.use_secret_as_env(task, secret_name=secret,
+                                         secret_key_to_env={"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+                                                            "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
         if c.s3_config_map:
-            kubernetes.use_config_map_as_env(task, c.s3_config_map, {"AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL"},
-                                             optional=True)
-        if stage == "reward":  # the label the reward NetworkPolicy and service account rules select
-            kubernetes.add_pod_label(task, "qerl.io/role", "reward")
+            kubernetes.use_config_map_as_env(task, c.s3_config_map, {"AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL",
+                                                                     "AWS_REGION": "AWS_REGION"}, optional=True)
+        if stage == "reward":  # the reward contract's pod (docs/reward-contract.md §5)
+            kubernetes.add_pod_label(task, "qerl.io/role", "reward")  # what the NetworkPolicy selects
+            task.set_cpu_limit(c.cpu).set_memory_limit(c.memory)
+            kubernetes.set_security_context(task, run_as_non_root=True)
         if stage in GPU_STAGES:
             task.set_accelerator_type(c.gpu_resource).set_accelerator_limit(c.gpu_count)
             for key, value in c.node_selector.items():
@@ -431,13 +440,15 @@ def cmd_rerun(cfg: RunConfig, args) -> None:
     import tempfile
 
     from kfp import compiler
+    _require_shared_root(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rerun.yaml")
         compiler.Compiler().compile(build_rerun_pipeline(cfg, args.stage, tasks), package_path=path)
         client = kfp_client(args.host, args.namespace, args.token, args.cookie)
         run = client.create_run_from_pipeline_package(path, arguments={}, experiment_name=args.experiment,
                                                       run_name=f"qerl-{cfg.run}-rerun-{args.stage}-{args.iteration}",
-                                                      namespace=args.namespace)
+                                                      namespace=args.namespace,
+                                                      service_account=cfg.cluster.service_account or None)
     print(f"submitted run {run.run_id}: {args.stage} → {', '.join(outputs)}")
 
 
@@ -446,22 +457,24 @@ def cmd_rerun(cfg: RunConfig, args) -> None:
 def collect_metrics(cfg: RunConfig) -> list[dict]:
     """One row per iteration of the run so far (a chained run's earlier ones too), from the
     published metrics of rollout, reward and train."""
-    from components.common.storage import Artifact, exists, list_artifacts
+    from components.common.storage import Artifact, list_artifacts
 
     layout, rows = RunLayout(cfg.root, cfg.run), []
+    newest = lambda uri: layout.latest(uri) if layout.versions(uri) else None  # noqa: E731 - reruns count
     for i in range(0, cfg.start_iteration + cfg.iterations):
         row: dict[str, Any] = {"iteration": i, "aqn_sigma": cfg.sigma(i)}
-        shards = list_artifacts(layout.iteration(i) + "/rollouts")
-        roll = [Artifact(u).read_json("metrics.json") for u in shards]
+        rollouts, rewards, adapter = (newest(layout.rollouts_prefix(i)), newest(layout.rewards(i)),
+                                      newest(layout.adapter(i)))
+        roll = [Artifact(u).read_json("metrics.json") for u in (list_artifacts(rollouts) if rollouts else [])]
         if roll:
             row["completion_len"] = sum(m["completion_len_mean"] * m["samples"] for m in roll) / sum(m["samples"] for m in roll)
             row["rollout_tok_s"] = sum(m["tokens_per_second"] for m in roll)
-        if exists(layout.rewards(i)):
-            rm = Artifact(layout.rewards(i)).read_json("metrics.json")
+        if rewards:
+            rm = Artifact(rewards).read_json("metrics.json")
             row.update(reward=rm.get("reward_mean"), accuracy=rm.get("accuracy"), format_rate=rm.get("format_rate"),
                        tied_groups=rm.get("tied_group_fraction"))  # a custom reward may report less
-        if exists(layout.adapter(i)):
-            tm = Artifact(layout.adapter(i)).read_json("metrics.json")
+        if adapter:
+            tm = Artifact(adapter).read_json("metrics.json")
             row.update({k: tm.get(k) for k in ("loss", "entropy", "grad_norm", "clip_fraction", "approx_kl",
                                                "rollout_logp_abs_diff", "dropped_group_fraction")})
         rows.append(row)
@@ -526,9 +539,17 @@ def cmd_run(cfg: RunConfig) -> None:
     log.info("report: %s (metrics.md, curves.png)", layout.report())
 
 
+def _require_shared_root(cfg: RunConfig) -> None:
+    """Cluster pods share nothing but object storage: a local root would leave each stage's
+    output on its own pod's disk, where the next stage cannot find it."""
+    if not cfg.root.startswith("s3://"):
+        raise ConfigError(f"root {cfg.root!r} is a local path; a cluster run needs an s3:// root (--root)")
+
+
 def cmd_compile(cfg: RunConfig, output: str) -> None:
     from kfp import compiler
 
+    _require_shared_root(cfg)
     compiler.Compiler().compile(build_pipeline(cfg, "cluster"), package_path=output)
     log.info("compiled %d iteration(s) of %s to %s", cfg.iterations, cfg.run, output)
 
@@ -547,7 +568,8 @@ def cmd_submit(cfg: RunConfig, args) -> None:
         cmd_compile(cfg, path)
         client = kfp_client(args.host, args.namespace, args.token, args.cookie)
         run = client.create_run_from_pipeline_package(path, arguments={}, run_name=f"qerl-{cfg.run}",
-                                                      experiment_name=args.experiment, namespace=args.namespace)
+                                                      experiment_name=args.experiment, namespace=args.namespace,
+                                                      service_account=cfg.cluster.service_account or None)
     print(f"submitted run {run.run_id} ({cfg.run})")
 
 

@@ -72,10 +72,24 @@ def test_compiled_dag(tmp_path, iterations):
     assert rk["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert k8s["exec-qerl-reward"]["secretAsEnv"][0]["secretName"] == "qerl-s3-reward"
     assert k8s["exec-qerl-reward"]["podMetadata"]["labels"] == {"qerl.io/role": "reward"}
+    assert k8s["exec-qerl-reward"]["securityContext"]["runAsNonRoot"] is True
+    assert "securityContext" not in rk
+    res = execs["exec-qerl-reward"]["container"]["resources"]
+    assert res["cpuLimit"] == res["cpuRequest"] and res["memoryLimit"] == res["memoryRequest"]
+    cm_env = {k["envVar"] for e in rk["configMapAsEnv"] for k in e["keyToEnv"]}
+    assert cm_env == {"AWS_ENDPOINT_URL", "AWS_REGION"}
     retry = next(t for n, t in tasks.items() if n.startswith("qerl-train"))["retryPolicy"]
     assert retry["maxRetryCount"] == 2
     assert tasks["qerl-train"].get("cachingOptions", {}).get("enableCache") in (None, False)
     assert tasks["qerl-quantize"]["cachingOptions"]["enableCache"] is True
+
+
+def test_irsa_and_local_roots(tmp_path):
+    _, k8s = compiled(tmp_path, cluster={"s3_secret": "", "reward_s3_secret": ""})  # the pods' own identity signs
+    assert not any(e.get("secretAsEnv") for e in k8s.values())
+    cfg = pipeline.load_run_config(None, root=str(tmp_path / "runs"), run="ci")
+    with pytest.raises(pipeline.ConfigError, match="needs an s3:// root"):
+        pipeline.cmd_compile(cfg, str(tmp_path / "p.yaml"))
 
 
 def test_kernel_cache_volume_on_gpu_tasks_only(tmp_path):
@@ -171,6 +185,7 @@ def test_submit_posts_the_pipeline_spec(capsys):
     path, body, auth = runs[0]
     assert path == "/apis/v2beta1/runs" and auth == "Bearer secret-token"
     assert body["display_name"] == "qerl-sub" and body["experiment_id"] == "exp-1"
+    assert body["service_account"] == "qerl-pipeline"
     spec = body["pipeline_spec"]["pipeline_spec"]  # with its platform_spec (the kfp-kubernetes settings)
     assert spec["pipelineInfo"]["name"] == "qerl-sub"
     assert "qerl-train-2" in spec["root"]["dag"]["tasks"]
@@ -212,6 +227,28 @@ def test_rerun_train_refuses_rewards_of_older_rollouts(tmp_path):
     publish_dir(src, L.rewards(0, version=2), stage="test", progress=False)  # … then a reward rerun
     task = pipeline.rerun_inputs(cfg, "train", 0)[0]
     assert task["rollouts"] == L.rollouts_prefix(0, 2) and task["rewards"] == L.rewards(0, 2)
+
+
+def test_report_reads_the_newest_version_of_each_artifact(tmp_path):
+    from components.common.storage import publish_dir
+
+    cfg = pipeline.load_run_config(None, root=str(tmp_path), run="r", iterations=1)
+    L = RunLayout(str(tmp_path), "r")
+
+    def publish(uri, metrics):
+        src = tmp_path / "src" / uri.rsplit("/", 2)[-2] / uri.rsplit("/", 1)[-1]
+        src.mkdir(parents=True)
+        (src / "metrics.json").write_text(json.dumps(metrics))
+        publish_dir(src, uri, stage="test", progress=False)
+
+    roll = {"completion_len_mean": 10.0, "samples": 4, "tokens_per_second": 5.0}
+    publish(L.rollouts(0), roll)
+    publish(L.rollouts(0, version=2), dict(roll, completion_len_mean=20.0))
+    publish(L.rewards(0), {"reward_mean": 0.1})
+    publish(L.rewards(0, version=3), {"reward_mean": 0.3})
+    publish(L.adapter(0), {"loss": 1.0})
+    [row] = pipeline.collect_metrics(cfg)
+    assert row["completion_len"] == 20.0 and row["reward"] == 0.3 and row["loss"] == 1.0
 
 
 # --------------------------------------------------------------------------- local end to end
