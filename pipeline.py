@@ -604,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.debug)
     try:
         cfg = load_run_config(args.config, run=args.run, root=args.root, iterations=args.iterations)
+        if args.command == "rerun" and not args.run and not (
+                args.config and (yaml.safe_load(Path(args.config).read_text()) or {}).get("run")):
+            raise ConfigError("rerun needs the run's name: --run NAME, or run: in --config")
         if args.command == "run":
             cmd_run(cfg)
         elif args.command == "compile":
