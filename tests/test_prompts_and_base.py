@@ -78,6 +78,32 @@ def test_prompts_from_gsm8k_jsonl(smollm2_artifact, tmp_path):
     assert read_artifact_table(str(again), "prompts", ["train.arrow"]).to_pylist() == train
 
 
+def test_prompts_and_base_model_from_s3_sources(smollm2_artifact, s3_bucket, tmp_path):
+    """A user's JSONL and HF checkpoint in a bucket: each object fetched alone, temp copies removed."""
+    import boto3
+
+    s3 = boto3.client("s3")
+    bucket = s3_bucket[len("s3://"):]
+    s3.upload_file(str(DATA / "gsm8k_sample.jsonl"), bucket, "data/gsm8k.jsonl")
+    s3.put_object(Bucket=bucket, Key="data/unrelated.bin", Body=b"x" * 1000)  # must not be fetched
+    for f in Path(smollm2_artifact).iterdir():
+        if f.name not in ("MANIFEST.json", "metrics.json"):
+            s3.upload_file(str(f), bucket, f"hf/{f.name}")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp), "QERL_TMPDIR": str(tmp)}
+    run_cli("components.prompts", "--model", str(smollm2_artifact), "--output", str(tmp_path / "prompts"),
+            "--gsm8k-jsonl", f"{s3_bucket}/data/gsm8k.jsonl", "--eval-fraction", "0", env=env)
+    assert read_artifact_table(str(tmp_path / "prompts"), "prompts", ["train.arrow"]).num_rows == 20
+    run_cli("components.base_model", "--source", f"{s3_bucket}/hf", "--output", str(tmp_path / "base"), env=env)
+    assert Artifact(str(tmp_path / "base")).read_bytes("model.safetensors") == (
+        Path(smollm2_artifact) / "model.safetensors").read_bytes()
+    assert list(tmp.iterdir()) == []  # no download left behind
+    p = run_cli("components.prompts", "--model", str(smollm2_artifact), "--output", str(tmp_path / "p2"),
+                "--gsm8k-jsonl", f"{s3_bucket}/data/none.jsonl", env=env, check=False)
+    assert p.returncode == 2 and "no object at" in p.stderr
+
+
 def test_prompts_from_reasoning_gym_to_s3(smollm2_artifact, s3_bucket, tmp_path):
     cfg = tmp_path / "prompts.yaml"
     cfg.write_text("reasoning_gym: basic_arithmetic\nsize: 30\nseed: 5\neval_fraction: 0.2\n")

@@ -97,8 +97,18 @@ def convert_embedded(dest: Path, dtype: str) -> dict:
 
 
 def copy_checkpoint(source: str, dest: Path) -> dict:
-    """Copy an HF checkpoint (local dir or s3 prefix) after checking it is one."""
+    """Copy an HF checkpoint (local dir or s3 prefix) after checking it is one. An s3 source is
+    downloaded to a temporary directory whose files are moved, not copied, and which is removed."""
+    remote = parse_uri(source).scheme != "file"
     src = fetch_external_dir(source)
+    try:
+        return _take_checkpoint(source, src, dest, move=remote)
+    finally:
+        if remote:
+            shutil.rmtree(src, ignore_errors=True)
+
+
+def _take_checkpoint(source: str, src: Path, dest: Path, move: bool) -> dict:
     if not (src / "config.json").is_file():
         raise ConfigError(f"{source} is not an HF checkpoint: no config.json")
     weights = sorted(src.glob("*.safetensors"))
@@ -111,7 +121,7 @@ def copy_checkpoint(source: str, dest: Path) -> dict:
     names = [p.name for p in weights] + [n for n in CHECKPOINT_FILES if (src / n).is_file()]
     names += [p.name for p in src.glob("*.safetensors.index.json")]
     for name in names:
-        shutil.copy2(src / name, dest / name)
+        (shutil.move if move else shutil.copy2)(src / name, dest / name)
     return {"source": source, "files": sorted(names), "architecture": config.get("architectures")}
 
 

@@ -545,6 +545,22 @@ def presigned_url(uri: str, expires: int = 3600) -> str:
                                               ExpiresIn=expires)
 
 
+def fetch_external_file(uri: str, dest_dir: str | os.PathLike) -> Path:
+    """One file that this project did not publish (a user's JSONL or Arrow table): a local path
+    as it is, an s3 object downloaded into `dest_dir` under its own name."""
+    loc = parse_uri(uri)
+    if loc.scheme == "file":
+        if not os.path.isfile(loc.path):
+            raise StorageError(f"file not found: {loc.path}")
+        return Path(loc.path)
+    if not _exists(loc):
+        raise StorageError(f"no object at {loc.uri}")
+    dest = Path(dest_dir) / loc.path.rsplit("/", 1)[-1]
+    with _open_input(loc) as r, open(dest, "wb") as w:
+        shutil.copyfileobj(r, w, CHUNK)
+    return dest
+
+
 def fetch_external_dir(uri: str) -> Path:
     """A local copy of a directory that was not published by this project (a user's own HF
     checkpoint): no manifest, so nothing to verify against. Local paths are used in place."""

@@ -19,11 +19,13 @@ import logging
 import re
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from components.common.cli import ConfigError, config_dict, field, require, run_stage
 from components.common.schemas import PROMPTS, to_table, write_ipc
-from components.common.storage import Artifact, Staging, fetch_external_dir, parse_uri
+from components.common.storage import Artifact, Staging, fetch_external_file, parse_uri
 
 log = logging.getLogger("qerl.prompts")
 
@@ -70,24 +72,9 @@ def gsm8k_final(answer: str) -> str:
     return m.group(1).replace(",", "").strip()
 
 
-def load_tasks(cfg: PromptsConfig) -> tuple[list[dict], str]:
-    """[{question, answer, solution}], source tag."""
-    if cfg.reasoning_gym:
-        import reasoning_gym
-        try:
-            data = reasoning_gym.create_dataset(cfg.reasoning_gym, size=cfg.size, seed=cfg.seed,
-                                                **cfg.reasoning_gym_config)
-        except (KeyError, ValueError, TypeError, AssertionError) as e:
-            raise ConfigError(f"reasoning-gym generator {cfg.reasoning_gym!r} with {cfg.reasoning_gym_config}: {e}") from e
-        tasks = [{"question": e["question"], "answer": str(e["answer"]), "solution": ""} for e in data]
-        return tasks, f"reasoning_gym:{cfg.reasoning_gym}"
-    path = cfg.gsm8k_jsonl or cfg.table
-    loc = parse_uri(path)
-    if loc.scheme == "s3":
-        local = fetch_external_dir(path.rsplit("/", 1)[0]) / path.rsplit("/", 1)[1]
-    else:
-        local = loc.path
-    if cfg.gsm8k_jsonl:
+def _read_tasks(path: str, local: Path, gsm8k: bool) -> tuple[list[dict], str]:
+    """Tasks from a GSM8K-style JSONL file, or a Parquet / Arrow table with question and answer."""
+    if gsm8k:
         tasks = []
         with open(local) as fh:
             for n, line in enumerate(fh, 1):
@@ -113,6 +100,23 @@ def load_tasks(cfg: PromptsConfig) -> tuple[list[dict], str]:
         tasks = [{"question": str(q), "answer": str(a), "solution": ""}
                  for q, a in zip(table.column("question").to_pylist(), table.column("answer").to_pylist())]
         source = "table"
+    return tasks, source
+
+
+def load_tasks(cfg: PromptsConfig) -> tuple[list[dict], str]:
+    """[{question, answer, solution}], source tag."""
+    if cfg.reasoning_gym:
+        import reasoning_gym
+        try:
+            data = reasoning_gym.create_dataset(cfg.reasoning_gym, size=cfg.size, seed=cfg.seed,
+                                                **cfg.reasoning_gym_config)
+        except (KeyError, ValueError, TypeError, AssertionError) as e:
+            raise ConfigError(f"reasoning-gym generator {cfg.reasoning_gym!r} with {cfg.reasoning_gym_config}: {e}") from e
+        tasks = [{"question": e["question"], "answer": str(e["answer"]), "solution": ""} for e in data]
+        return tasks, f"reasoning_gym:{cfg.reasoning_gym}"
+    path = cfg.gsm8k_jsonl or cfg.table
+    with tempfile.TemporaryDirectory(prefix="qerl-prompts-") as tmp:  # an s3 object is fetched, alone, here
+        tasks, source = _read_tasks(path, fetch_external_file(path, tmp), gsm8k=bool(cfg.gsm8k_jsonl))
     if cfg.limit:
         tasks = tasks[: cfg.limit]
     if not tasks:
