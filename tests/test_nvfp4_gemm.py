@@ -381,7 +381,8 @@ def _interpreter_check() -> dict:
             dy = torch.randn(m, 48, generator=gen).bfloat16()
             y.backward(dy)
             w = ref.dequantize(*q, dtype=torch.float32).double()
-            expect(f"NVFP4Linear fused forward m{m}", y.detach(), gemm.reference_linear(x.detach(), *q, bias=layer.bias),
+            want = gemm.reference_linear(x.detach(), *q, bias=layer.bias)
+            expect(f"NVFP4Linear fused forward m{m}", y.detach(), want,
                    x.detach().double() @ w.t() + layer.bias.double(), (m, 48))
             expect(f"NVFP4Linear fused dX m{m}", x.grad, gemm.reference_grad_input(dy, *q), dy.double() @ w, (m, 256))
     finally:

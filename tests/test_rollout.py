@@ -249,7 +249,8 @@ def test_stage_cli_end_to_end(smollm2_nvfp4, prompts, adapters, tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert len({r["aqn_seed"] for r in rows}) == 1 and metrics["aqn_seed"] == rows[0]["aqn_seed"]
     lengths = [len(r["completion_token_ids"]) for r in rows]
-    assert metrics["completion_len_mean"] == pytest.approx(sum(lengths) / 4) and metrics["completion_len_max"] == max(lengths)
+    assert metrics["completion_len_mean"] == pytest.approx(sum(lengths) / 4)
+    assert metrics["completion_len_max"] == max(lengths)
     assert metrics["truncation_rate"] == sum(r["finish_reason"] == "length" for r in rows) / 4
     assert metrics["samples"] == 4 and metrics["tokens_per_second"] > 0 and metrics["aqn_modules"] == 60
     assert metrics["linear_kernels"] == ["QeRLDequantNvFp4LinearKernel"]

@@ -149,7 +149,8 @@ def test_check_adapter_refuses_what_does_not_fit(tmp_path):
         save_file({k: torch.zeros(s) for k, s in tensors.items()}, d / "adapter_model.safetensors")
         return d
 
-    good = {f"{prefix}.1.self_attn.k_proj.lora_A.weight": (4, 32), f"{prefix}.1.self_attn.k_proj.lora_B.weight": (16, 4),
+    good = {f"{prefix}.1.self_attn.k_proj.lora_A.weight": (4, 32),
+            f"{prefix}.1.self_attn.k_proj.lora_B.weight": (16, 4),
             f"{prefix}.0.mlp.down_proj.lora_A.weight": (4, 64), f"{prefix}.0.mlp.down_proj.lora_B.weight": (32, 4)}
     assert check_adapter(adapter(good), model, max_rank=8)["r"] == 4
     cases = [

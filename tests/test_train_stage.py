@@ -465,8 +465,8 @@ def test_resume_equals_uninterrupted(run1, smollm2_nvfp4, data):
 
 def test_dapo_with_kl_and_two_epochs(run1, smollm2_nvfp4, data, tmp_path):
     """The stage with the options the default run leaves off: DAPO (token aggregation, clip-higher,
-    dynamic sampling, truncated completions masked; unit-tested in test_objective.py), a KL term to the adapter-free reference
-    and mu = 2 optimizer steps over the batch."""
+    dynamic sampling, truncated completions masked; unit-tested in test_objective.py), a KL term
+    to the adapter-free reference and mu = 2 optimizer steps over the batch."""
     from safetensors.torch import load_file
 
     out = tmp_path / "dapo"
