@@ -249,7 +249,8 @@ def test_build_policy_keeps_dequantized_weights_only_under_checkpointing(smollm2
 
 def _publish_table(uri: Path, table) -> str:
     with Staging() as st:
-        (st.path / "shard-000.arrow").write_bytes(write_ipc(table))
+        kind = table.schema.metadata[b"qerl.schema"].decode()  # rewards: the contract's one file name
+        (st.path / ("rewards.arrow" if kind == "rewards" else "shard-000.arrow")).write_bytes(write_ipc(table))
         st.publish(str(uri), stage="test", progress=False)
     return str(uri)
 

@@ -428,9 +428,9 @@ class Artifact:
 
     def read_bytes(self, name: str) -> bytes:
         """A whole (small) object, verified."""
-        buf = io.BytesIO()
+        entry, buf = self._entry(name), io.BytesIO()  # an object the manifest lacks: say so, not "not found"
         with _open_input(self.loc.join(name)) as r:
-            _verify_stream(r, self._entry(name), f"{self.uri}/{name}", sink=buf)
+            _verify_stream(r, entry, f"{self.uri}/{name}", sink=buf)
         return buf.getvalue()
 
     def read_json(self, name: str):
