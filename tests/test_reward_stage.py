@@ -132,8 +132,14 @@ def test_missing_rollouts_and_existing_output_are_exit_2(tmp_path):
     assert proc.returncode == 2 and "no rollout shard published at or under" in proc.stderr and not exists(out)
     prefix = publish_rollouts(str(tmp_path / "run"))
     run_cli("components.reward", "--rollouts", prefix, "--output", out)
-    proc = run_cli("components.reward", "--rollouts", prefix, "--output", out, check=False)
-    assert proc.returncode == 2 and "already exists" in proc.stderr
+    before = Artifact(out).manifest
+    # the same command again (a retried task): nothing to do, the artifact stays as it was
+    proc = run_cli("components.reward", "--rollouts", prefix, "--output", out)
+    assert "already published by this stage with this same config" in proc.stderr
+    assert Artifact(out).manifest == before
+    # another config at the same output: refused, nothing replaced
+    proc = run_cli("components.reward", "--rollouts", prefix, "--output", out, "--reward", "gsm8k:2.0", check=False)
+    assert proc.returncode == 2 and "already exists" in proc.stderr and Artifact(out).manifest == before
 
 
 def test_shards_round_trip(root):

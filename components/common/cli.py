@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import json
 import os
 import sys
 import types
@@ -144,7 +145,11 @@ def run_stage(main: Callable[[Any], Any], config_cls, argv: list[str] | None = N
     setup_logging(debug)
     try:
         cfg, debug, uri_file = load_config(config_cls, argv, prog, description)
-        main(cfg)
+        if _published_by_an_earlier_attempt(cfg, prog.rsplit(".", 1)[-1]):
+            log.warning("%s is already published by this stage with this same config (a retried task?): "
+                        "nothing to do", cfg.output)
+        else:
+            main(cfg)
         if uri_file:
             os.makedirs(os.path.dirname(os.path.abspath(uri_file)), exist_ok=True)
             with open(uri_file, "w") as fh:
@@ -164,6 +169,22 @@ def run_stage(main: Callable[[Any], Any], config_cls, argv: list[str] | None = N
             raise
         print(f"{prog}: error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def _published_by_an_earlier_attempt(cfg, stage: str) -> bool:
+    """True when `cfg.output` already holds what this run would publish: an artifact of the same
+    stage with the same config. A retried task (KFP retries one whose attempt published and then
+    lost its pod or its status report) then succeeds instead of failing on "already exists".
+    Anything else at the output (another config, another stage) still fails when publishing."""
+    output = getattr(cfg, "output", "")
+    if not isinstance(output, str) or not output or getattr(cfg, "overwrite", False):
+        return False
+    from .storage import Artifact, exists
+
+    if not exists(output):
+        return False
+    manifest = Artifact(output).manifest
+    return manifest.get("stage") == stage and manifest.get("config") == json.loads(json.dumps(config_dict(cfg)))
 
 
 def config_dict(cfg) -> dict:
