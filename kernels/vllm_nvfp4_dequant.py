@@ -15,8 +15,8 @@ Why on a GPU. On the H200, vLLM's own W4A16 kernels (Marlin, Humming) lose to bf
 the large batches RL rollouts run (benchmarks/rollout.py). ``QERL_NVFP4_BACKEND=dequant``
 (set by the rollout stage when its backend choice says so) makes this kernel take the NVFP4
 layers on CUDA too: the served weights are exactly the NVFP4 model's dequantized weights, the
-GEMMs are cuBLAS bf16. It costs the bf16 weight memory (2 bytes/param) plus the packed
-tensors, which stay on the layer (0.56 bytes/param).
+GEMMs are cuBLAS bf16. It costs the bf16 weight memory (2 bytes/param); the packed tensors
+are freed once dequantized.
 
 ``QERL_NVFP4_BACKEND=fused`` selects :class:`QeRLFusedNvFp4LinearKernel` instead: the layers
 keep only their packed 4-bit weights, block scales and one global scale per output row, and
@@ -52,13 +52,14 @@ MEMORY NOTE -- *dequantize-once*: after loading each layer is dequantized ONCE t
 dtype (bf16). On CPU it goes to vLLM's own CPU dense-GEMM dispatch
 (``dispatch_cpu_unquantized_gemm``: oneDNN / sgl-kernel prepacked weights, the same path
 unquantized models use); on CUDA to ``torch.nn.functional.linear`` (cuBLAS). Resident weight
-memory is therefore the bf16 size PLUS the packed NVFP4 tensors, i.e. no memory saving versus
-a bf16 model; the 4-bit weights only decide the *values*. The packed tensors stay on the
-layer, unchanged, for inspection: ``layer.weight`` (uint8 [out, in/2], renamed from
-``weight_packed`` by vLLM), ``layer.weight_scale`` (float8_e4m3fn [out, in/16]),
-``layer.weight_global_scale`` (vLLM's 1/max scalar) and ``layer.qerl_shard_global_scale``
-(float32 [n_shards], checkpoint values). ``QERL_CPU_NVFP4_GEMM=torch`` makes the CPU path use
-``torch.nn.functional.linear`` too; the bf16 tensor is ``layer.qerl_weight_dequant``.
+memory is therefore the bf16 size, i.e. no memory saving versus a bf16 model; the 4-bit
+weights only decide the *values*. The packed tensors are freed after dequantizing (on a 7B
+model they would hold ~4 GB of what could be KV cache): ``layer.weight`` (uint8, renamed
+from ``weight_packed`` by vLLM) and ``layer.weight_scale`` (float8_e4m3fn) stay as empty
+tensors of their dtype and device, which vLLM's LoRA code reads; ``layer.weight_global_scale``
+(vLLM's 1/max scalar) and ``layer.qerl_shard_global_scale`` (float32 [n_shards], checkpoint
+values) stay. ``QERL_CPU_NVFP4_GEMM=torch`` makes the CPU path use
+``torch.nn.functional.linear`` too; the bf16 tensor is then ``layer.qerl_weight_dequant``.
 """
 
 from __future__ import annotations
@@ -120,9 +121,16 @@ def row_global_scale(layer: torch.nn.Module) -> torch.Tensor:
     packed = layer.weight.data
     shard_gs = getattr(layer, "qerl_shard_global_scale", None)
     widths = list(getattr(layer, "logical_widths", []) or [])
-    if shard_gs is None:  # not stashed: vLLM's collapsed multiplier
+    if shard_gs is None:  # not stashed: vLLM's collapsed multiplier, right only for one shard
+        if len(widths) > 1:
+            raise ValueError(f"QeRL NVFP4: a fused layer of {len(widths)} shards lost its per-shard global "
+                             "scales (the process_weights_after_loading hook did not run): refusing to serve "
+                             "every shard with the largest one")
         shard_gs = (1.0 / layer.weight_global_scale.data.float()).reshape(1)
         layer.qerl_shard_global_scale = shard_gs
+    if not bool(torch.isfinite(shard_gs).all()) or not bool((shard_gs > 0).all()):
+        raise ValueError(f"QeRL NVFP4: weight_global_scale {shard_gs.tolist()} of a {tuple(packed.shape)} layer "
+                         "must be finite and > 0 (a broken or partly loaded checkpoint)")
     if shard_gs.numel() > 1 and len(widths) == shard_gs.numel() and sum(widths) == packed.shape[0]:
         if torch.unique(shard_gs).numel() == 1:
             return shard_gs.float().reshape(-1)[:1]
@@ -196,6 +204,10 @@ def _kernel_classes():
                 w, fn = holder.weight, holder.cpu_linear
                 layer.qerl_cpu_linear = lambda x, _w=w, _f=fn: _f(x, _w, None)
             layer.qerl_gemm_mode = mode
+            # the 4-bit tensors are no longer read: keep empty ones (dtype, device) for vLLM's LoRA code
+            for name in ("weight", "weight_scale"):
+                t = getattr(layer, name)
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
         def apply_weights(self, layer, x, bias=None):
             if layer.qerl_cpu_linear is None:
@@ -283,8 +295,14 @@ def register() -> None:
         import vllm.envs as envs
         from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
 
+        asked = os.environ.get(BACKEND_ENV, "").lower()
+        if asked not in ("", "dequant", "fused"):
+            raise ValueError(f"{BACKEND_ENV}={asked!r}: expected dequant, fused or empty (vLLM's own kernel)")
         usable = [c for c in our_classes
                   if c.is_supported()[0] and c.__name__ not in (envs.VLLM_DISABLED_KERNELS or [])]
+        if use_a16 and asked and not any(c.BACKEND == asked for c in usable):
+            raise ValueError(f"{BACKEND_ENV}={asked} asks for a kernel this platform cannot run here "
+                             "(fused: CUDA, or the CPU under TRITON_INTERPRET=1; or it is in VLLM_DISABLED_KERNELS)")
         if use_a16 and usable:
             from vllm.config import get_current_vllm_config_or_none
 

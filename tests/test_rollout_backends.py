@@ -164,3 +164,45 @@ def test_check_adapter_refuses_what_does_not_fit(tmp_path):
             check_adapter(adapter(tensors), model, max_rank=8)
     with pytest.raises(ConfigError, match="exceeds the engine's max_lora_rank 2"):
         check_adapter(adapter(good), model, max_rank=2)
+
+
+def test_aqn_touches_the_decoder_rmsnorms_only():
+    import torch
+    from torch import nn
+
+    from components.rollout.aqn import apply_noise, noisy_norms
+
+    class RMSNorm(nn.Module):  # vLLM's and transformers' classes are *RMSNorm too
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+
+    def layer(norm):
+        block = nn.Module()
+        block.input_layernorm, block.post_attention_layernorm = norm(8), norm(8)
+        block.self_attn = nn.Module()
+        block.self_attn.q_norm = RMSNorm(8)  # Qwen3's per-head norms: not AQN's
+        return block
+
+    class Multimodal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.language_model = nn.Module()
+            self.language_model.model = nn.Module()
+            self.language_model.model.layers = nn.ModuleList([layer(RMSNorm) for _ in range(3)])
+            self.language_model.model.norm = RMSNorm(8)
+            self.vision_tower = nn.Module()
+            self.vision_tower.layers = nn.ModuleList([layer(RMSNorm), layer(nn.LayerNorm)])
+
+        def get_language_model(self):
+            return self.language_model
+
+    model = Multimodal()
+    names = [n for n, _ in noisy_norms(model)]
+    assert names == [f"model.layers.{i}.{k}" for i in range(3) for k in ("input_layernorm", "post_attention_layernorm")]
+    assert apply_noise(model, 0.1, seed=0) == 6
+    assert torch.equal(model.vision_tower.layers[0].input_layernorm.weight, torch.ones(8))
+    assert torch.equal(model.language_model.model.norm.weight, torch.ones(8))
+    assert not torch.equal(model.language_model.model.layers[2].post_attention_layernorm.weight, torch.ones(8))
+    plain = Multimodal().language_model  # a text-only model: searched as it is
+    assert len(noisy_norms(plain)) == 6

@@ -344,3 +344,44 @@ def _fused_engine_main(q_dir: str, out_path: str) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--fused-engine"]:
     _fused_engine_main(*sys.argv[2:4])
+
+
+def test_global_scales_are_checked_before_serving():
+    """A zero / NaN shard scale, or a fused layer whose per-shard scales were not stashed, is an
+    error, not silently wrong weights."""
+    from kernels.vllm_nvfp4_dequant import row_global_scale
+
+    def layer(shard_gs, widths=(4, 2, 2)):
+        m = torch.nn.Module()
+        m.weight = torch.nn.Parameter(torch.zeros(sum(widths), 16, dtype=torch.uint8), requires_grad=False)
+        m.weight_global_scale = torch.nn.Parameter(torch.tensor([0.5]), requires_grad=False)
+        m.logical_widths = list(widths)
+        if shard_gs is not None:
+            m.qerl_shard_global_scale = torch.tensor(shard_gs)
+        return m
+
+    assert row_global_scale(layer([2.0, 4.0, 4.0])).tolist() == [2.0] * 4 + [4.0] * 4
+    assert row_global_scale(layer([3.0, 3.0, 3.0])).tolist() == [3.0]
+    assert row_global_scale(layer(None, widths=(8,))).tolist() == [2.0]  # one shard: vLLM's 1/max is its own
+    for bad in ([2.0, 0.0, 4.0], [2.0, float("nan"), 4.0]):
+        with pytest.raises(ValueError, match="must be finite and > 0"):
+            row_global_scale(layer(bad))
+    with pytest.raises(ValueError, match="lost its per-shard global scales"):
+        row_global_scale(layer(None))
+
+
+def test_a_backend_name_that_cannot_be_served_is_an_error(monkeypatch):
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_nvfp4 as scheme_mod,
+    )
+
+    from kernels.vllm_nvfp4_dequant import BACKEND_ENV, register
+
+    register()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for value, msg in (("dequantize", "expected dequant, fused or empty"), ("fused", "cannot run here")):
+        monkeypatch.setenv(BACKEND_ENV, value)
+        with pytest.raises(ValueError, match=msg):
+            scheme_mod.init_nvfp4_linear_kernel(use_a16=True)
+    monkeypatch.setenv(BACKEND_ENV, "dequant")
+    assert type(scheme_mod.init_nvfp4_linear_kernel(use_a16=True)).__name__ == "QeRLDequantNvFp4LinearKernel"

@@ -17,6 +17,7 @@ This module imports torch only inside `apply_noise`: the pipeline imports the sc
 from __future__ import annotations
 
 import math
+import re
 
 NOISY_NORMS = ("input_layernorm", "post_attention_layernorm")
 SIGMA_START, SIGMA_END, STAGES = 1e-2, 5e-4, 10
@@ -44,10 +45,17 @@ def sigma_schedule(iteration: int, iterations: int, sigma_start: float = SIGMA_S
     return sigma_start * (sigma_end / sigma_start) ** ((stage - 1) / (stages - 2))
 
 
+_DECODER_NORM = re.compile(r"(^|\.)layers\.\d+\.(" + "|".join(NOISY_NORMS) + r")$")
+
+
 def noisy_norms(model) -> list:
-    """(name, module) of every decoder-layer RMSNorm that AQN perturbs."""
-    return [(name, m) for name, m in model.named_modules()
-            if name.rsplit(".", 1)[-1] in NOISY_NORMS and getattr(m, "weight", None) is not None]
+    """(name, module) of every decoder-layer RMSNorm that AQN perturbs: `layers.N.input_layernorm`
+    and `layers.N.post_attention_layernorm` of the language model (a multimodal model's vision
+    tower is left alone), RMSNorm modules only (vLLM's, or transformers' *RMSNorm classes)."""
+    lm = model.get_language_model() if callable(getattr(model, "get_language_model", None)) else model
+    return [(name, m) for name, m in lm.named_modules()
+            if _DECODER_NORM.search(name) and "RMSNorm" in type(m).__name__
+            and getattr(m, "weight", None) is not None]
 
 
 def apply_noise(model, sigma: float, seed: int) -> int:
