@@ -95,6 +95,18 @@ def test_streams_sharded_source_and_keeps_odd_linears_bf16(tmp_path):
             assert name in f.keys()
 
 
+def test_linears_outside_the_decoder_layers_stay_bf16_and_are_listed():
+    from components.quantize.__main__ import plan
+
+    shapes = {"model.embed_tokens.weight": (64, 32), "model.layers.0.self_attn.q_proj.weight": (32, 32),
+              "model.layers.0.input_layernorm.weight": (32,), "model.mm_projector.weight": (32, 48),
+              "lm_head.weight": (64, 32)}
+    layers, kept, ignored = plan(list(shapes), shapes)
+    assert layers == {"model.layers.0": ["model.layers.0.self_attn.q_proj.weight"]}
+    assert ignored == ["model.mm_projector"]  # lm_head is always listed by the stage; embeddings are no Linear
+    assert set(kept) == set(shapes) - {"model.layers.0.self_attn.q_proj.weight"}
+
+
 def test_transformers_loads_the_checkpoint_dequantized(tmp_path):
     """compressed-tensors' own decompression (through transformers) of our checkpoint gives
     exactly our dequantized weights."""
@@ -115,6 +127,7 @@ def test_transformers_loads_the_checkpoint_dequantized(tmp_path):
     ("not_safetensors", "not a safetensors checkpoint"),
     ("already_quantized", "already quantized"),
     ("nan", "model.layers.1.mlp.gate_proj.weight has NaN/Inf"),
+    ("moe", "is a mixture-of-experts model (num_experts=4): not supported yet"),
 ])
 def test_bad_input_publishes_nothing(tmp_path, case, msg):
     src = tmp_path / "src"
@@ -128,6 +141,9 @@ def test_bad_input_publishes_nothing(tmp_path, case, msg):
         for f in src.glob("*.safetensors"):
             torch.save(load_file(f), f.with_suffix(".bin"))
             f.unlink()
+    if case == "moe":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "num_experts": 4}))
     if case == "already_quantized":
         run_cli("components.quantize", "--input", str(src), "--output", str(tmp_path / "q1"))
         src = tmp_path / "q1"

@@ -68,6 +68,11 @@ def open_source(uri: str) -> Path:
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
         raise ConfigError(f"{uri} is already quantized ({method}); quantize a bf16/fp16/fp32 checkpoint")
+    moe = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)]
+    if moe:
+        raise ConfigError(f"{uri} is a mixture-of-experts model ({moe[0]}={config[moe[0]]}): not supported yet "
+                          "(its routers must stay bf16 and its experts need vLLM's NVFP4 MoE path); "
+                          "dense Llama / Qwen-style decoders are")
     return src
 
 
@@ -98,6 +103,12 @@ def plan(names: list[str], shapes: dict[str, tuple]) -> tuple[dict[str, list[str
                 layers[m["layer"]].append(name)
         else:
             kept.append(name)
+            # a 2-D Linear outside the decoder layers (a projector, an MTP head) stays bf16, so the
+            # checkpoint must say so, or vLLM builds an NVFP4 layer for it; embeddings and lm_head
+            # are not Linear layers of compressed-tensors' scheme (lm_head is always listed)
+            if len(shapes[name]) == 2 and name.endswith(".weight") and "embed" not in name \
+                    and not name.endswith("lm_head.weight"):
+                ignored.append(name[: -len(".weight")])
     return dict(layers), kept, ignored
 
 
