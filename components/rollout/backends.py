@@ -6,7 +6,8 @@ Backends (all serve the same weights: the NVFP4 checkpoint's dequantized values)
 * ``humming`` – vLLM's Humming W4A16 kernel (``linear_backend="humming"``);
 * ``dequant`` – the project's dequantize-once kernel (`kernels/vllm_nvfp4_dequant.py`): the
   weights are expanded to bf16 once at load and served by cuBLAS. Fastest at large batches,
-  costs the bf16 weight memory (plus the packed tensors). The only backend on CPUs.
+  costs the bf16 weight memory (the packed tensors are freed once dequantized). The only
+  backend on CPUs.
 * ``fused``   – the project's own W4A16 Triton GEMMs on the packed weights
   (`kernels/nvfp4/serving.py`: a GEMV for one sequence, the split-K tensor-core kernel up to
   32 rows, dequantize + cuBLAS above). Measured on the H200 at 1 and 16 sequences only, where
