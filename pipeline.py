@@ -74,9 +74,9 @@ class ClusterConfig:
                            "('' = none: the pods' own identity signs, e.g. IRSA with the aws overlay)")
     reward_s3_secret: str = field("qerl-s3-reward", help="the reward tasks' own, narrower S3 credentials (reward "
                                   "contract; '' = none, as for s3_secret)")
-    service_account: str = field("qerl-pipeline", help="Kubernetes service account the run's pods use (KFP sets one "
-                                 "per run, not per task: reward tasks use it too and are kept apart by their own S3 "
-                                 "secret and the NetworkPolicy on their label); '' = the namespace's default")
+    service_account: str = field("qerl-pipeline", help="Kubernetes service account the run's pods use; KFP sets one "
+                                 "per run, not per task, so reward tasks use it too (what that means for custom "
+                                 "rewards: docs/reward-contract.md §5); '' = the namespace's default")
     s3_config_map: str = field("qerl-s3-config", help="ConfigMap whose AWS_ENDPOINT_URL / AWS_REGION every task gets ('' = none)")
     timeout_seconds: int = field(6 * 3600, help="per-task time limit")
     retries: int = field(2, help="retries of a task after a transient failure")
