@@ -363,8 +363,10 @@ def test_global_scales_are_checked_before_serving():
     assert row_global_scale(layer([2.0, 4.0, 4.0])).tolist() == [2.0] * 4 + [4.0] * 4
     assert row_global_scale(layer([3.0, 3.0, 3.0])).tolist() == [3.0]
     assert row_global_scale(layer(None, widths=(8,))).tolist() == [2.0]  # one shard: vLLM's 1/max is its own
+    # vLLM's load_format="dummy" (the GPU benchmarks) draws scales of either sign: served as they are
+    assert row_global_scale(layer([-0.5, 0.25, 0.25])).tolist() == [-0.5] * 4 + [0.25] * 4
     for bad in ([2.0, 0.0, 4.0], [2.0, float("nan"), 4.0]):
-        with pytest.raises(ValueError, match="must be finite and > 0"):
+        with pytest.raises(ValueError, match="must be finite and non-zero"):
             row_global_scale(layer(bad))
     with pytest.raises(ValueError, match="lost its per-shard global scales"):
         row_global_scale(layer(None))
