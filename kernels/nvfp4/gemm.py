@@ -662,8 +662,8 @@ def _permute_k(trans_w: bool, red: int, block_k: int) -> bool:
 
 
 # Whether forward configs that do not say use SCALE_PAIRS (QERL_NVFP4_SCALE_PAIRS=1 turns it on).
-# Off until it has run on a GPU: it compiles for sm_90a and its arithmetic is checked on the CPU
-# (tests), but nothing has executed it.
+# Off: correct on an H100 (zero / subnormal / 448 scales, odd addresses) but no measurable gain
+# inside vLLM (kernels/nvfp4/NOTES.md, 2026-12-05 afternoon).
 SCALE_PAIRS_DEFAULT = os.environ.get("QERL_NVFP4_SCALE_PAIRS", "0") == "1"
 
 

@@ -25,11 +25,13 @@ M = 1 only on the small q/k/v and o shapes):
   At these sizes the GEMM is compute bound and cuBLAS beats the fused kernel
   (kernels/nvfp4/NOTES.md: 43-50 % of cuBLAS at M = 4096).
 
-Two switches, both off by default because neither has run on a GPU yet (kernels/nvfp4/NOTES.md,
-2026-12-05): ``QERL_NVFP4_PDL=1`` launches the kernels with programmatic dependent launch (a
-kernel starts while the one before it finishes, prefetching its weight rows to L2 until the
-previous kernel's output is ready: `gemm._pdl_start`); ``QERL_NVFP4_SCALE_PAIRS=1`` decodes the
-block scales two at a time (`gemm._SCALE_PAIR_ASM`, 250 → 241 SASS instructions per K step).
+Two switches, both off by default: measured on an H100 (kernels/nvfp4/NOTES.md, 2026-12-05
+afternoon) they are correct but gain nothing inside vLLM. ``QERL_NVFP4_PDL=1`` launches the
+kernels with programmatic dependent launch (a kernel starts while the one before it finishes,
+prefetching its weight rows to L2 until the previous kernel's output is ready:
+`gemm._pdl_start`): 2-3 % slower in vLLM. ``QERL_NVFP4_SCALE_PAIRS=1`` decodes the block scales
+two at a time (`gemm._SCALE_PAIR_ASM`, 250 → 241 SASS instructions per K step): 0.7 % faster
+on the GEMMs alone, within the noise in vLLM.
 
 Status: correct on an H200 at every vLLM 7B shape and M = 1-300, eagerly, in CUDA graphs and
 under torch.compile (`benchmarks/nvfp4_serving_check.py`); inside vLLM 0.26 it serves a 7B
@@ -54,7 +56,7 @@ SERVING_CONFIGS: list[tuple[int, dict]] = [
 ]
 MAX_SPLIT = 8
 TABLE_ENV = "QERL_NVFP4_SERVING_CONFIGS"
-PDL_ENV = "QERL_NVFP4_PDL"  # "1": programmatic dependent launch (gemm._pdl_start); off until measured
+PDL_ENV = "QERL_NVFP4_PDL"  # "1": programmatic dependent launch (gemm._pdl_start); off: slower in vLLM
 MEASURED_KEYS = ("us", "cublas_bf16_us")  # figures stored beside each config, not kernel arguments
 BUNDLED_TABLE = Path(__file__).with_name("serving_configs.json")
 
