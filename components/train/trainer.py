@@ -471,8 +471,8 @@ def _train_iteration(policy, opt, sched, batch: Batch, cfg, device: torch.device
         log.info("epoch %d/%d: loss %.5f, grad norm %.4f, lr %.3g, clip %.3f, approx KL %.2e",
                  epoch + 1, obj.epochs, e["loss"], e["grad_norm"], lr, e["clip_fraction"], e["approx_kl"])
     t_end = time.time()  # before the profile is written: building its table takes tens of seconds
-    if device.type == "cuda":
-        torch.cuda.set_sync_debug_mode("default")
+    if device.type == "cuda" and torch.cuda.get_sync_debug_mode() != 0:  # QERL_SYNC_DEBUG set it
+        torch.cuda.set_sync_debug_mode("default")  # (any call warns that the mode is a prototype)
     if profiler is not None:
         _write_profile(profiler)
     first, last = epochs[0], epochs[-1]
