@@ -3,13 +3,16 @@
     python pipeline.py run     [--config run.yaml] [--run NAME] [--iterations N]
     python pipeline.py compile [--config run.yaml] --output pipeline.yaml
     python pipeline.py submit  [--config run.yaml] --host URL [--namespace NS] [--token T | --cookie C]
-    python pipeline.py rerun   STAGE --run NAME --iteration I [--config run.yaml] [--host URL …]
+    python pipeline.py rerun   STAGE --run NAME --iteration I [--config run.yaml] [--from-config] [--host URL …]
 
 The DAG: base_model → quantize (once) and prompts, then per iteration
 [rollout × N shards (dsl.ParallelFor) → fan-in (dsl.Collected) → reward → train], unrolled at
-compile time (KFP v2 has no loops over iterations). AQN's σ of each iteration comes from
+compile time (KFP v2 has no loops over iterations); beside an iteration's rollouts (and after
+the last train) an evaluation of that policy on the eval split (rollout → reward). AQN's σ of each iteration comes from
 `components.rollout.aqn.sigma_schedule`. Every artifact URI comes from the run layout
-(`components/common/layout.py`), so any stage can be rerun from committed artifacts.
+(`components/common/layout.py`), so any stage can be rerun from committed artifacts. A rerun
+repeats the settings the stage recorded in its manifest when it last ran there, whatever
+--config says today, unless --from-config asks for the config's.
 
 `run` executes the DAG with `kfp.local`'s SubprocessRunner on this machine: each container
 stage has a lightweight twin that calls the same stage CLI. With no config it uses embedded
@@ -52,6 +55,9 @@ KERNEL_CACHE_ENV = {
 }
 TWIN_IMAGE = "python:3.11"  # twins run only under kfp.local (this venv); the image is unused
 STOCHASTIC = ("rollout", "train")  # KFP caches on inputs, not content: never cache these
+# Rollout settings an evaluation fixes (RunConfig.eval_rollout).
+EVAL_FIXED = frozenset({"split", "prompts_per_iteration", "aqn_sigma", "aqn_seed", "num_shards", "shard", "iteration",
+                        "model", "prompts", "output", "adapter", "overwrite"})
 
 
 # --------------------------------------------------------------------------- config
@@ -112,6 +118,11 @@ class RunConfig:
         help="reward stage config (python -m components.reward --help)")
     train: dict = field(default_factory=lambda: {"lr": 2e-5, "lora_rank": 16, "lora_alpha": 32, "micro_batch_tokens": 2048},
                         help="train stage config (python -m components.train --help)")
+    eval: dict = field(default_factory=lambda: {"every": 1, "samples": 1, "temperature": 0.0},
+                       help="evaluation on the prompts' eval split: the policy of every `every`-th iteration and the "
+                            "final adapter each answer every eval prompt (rollout settings as given here over the "
+                            "rollout section's, no AQN), scored by the run's reward; every: 0 = no evaluation. Needs "
+                            "prompts.eval_fraction > 0")
     cluster: ClusterConfig = field(default_factory=ClusterConfig, help="Kubernetes settings (submit/compile only)")
 
     def __post_init__(self):
@@ -137,6 +148,12 @@ class RunConfig:
                 self.sigma(i)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"aqn {self.aqn}: {e} (keys: sigma_start, sigma_end, stages)") from e
+        require(isinstance(self.eval, dict), f"eval must be a mapping (every, rollout settings), not {self.eval!r}")
+        require(type(self.eval.get("every", 1)) is int and self.eval.get("every", 1) >= 0,
+                f"eval.every must be a whole number >= 0, not {self.eval.get('every')!r}")
+        fixed = sorted(set(self.eval) & EVAL_FIXED)
+        require(not fixed, f"eval: {', '.join(fixed)} cannot be set (an evaluation reads every eval prompt, in one "
+                "task, without AQN)")
         self._check_stage_configs()
 
     def _check_stage_configs(self) -> None:
@@ -149,6 +166,7 @@ class RunConfig:
         u = "file:///placeholder"
         checks = [(PromptsConfig, self.prompts, {"model": u, "output": u}),
                   (RolloutConfig, self.rollout, {"model": u, "prompts": u, "output": u}),
+                  (RolloutConfig, self.eval_rollout(0), {"model": u, "prompts": u, "output": u}),
                   (TrainConfig, self.train, {"model": u, "rollouts": [u], "rewards": u, "output": u})]
         if not self.reward_component:  # a custom reward's config is its own business
             checks.append((RewardConfig, self.reward, {"rollouts": [u], "output": u}))
@@ -161,6 +179,22 @@ class RunConfig:
     def sigma(self, iteration: int) -> float:
         total = self.schedule_iterations or self.start_iteration + self.iterations
         return sigma_schedule(iteration, total, **self.aqn)
+
+    def eval_iterations(self) -> list[int]:
+        """The iterations whose policy this run evaluates: every `eval.every`-th and the one after
+        the last (the final adapter). A chained run skips its first: the run before it
+        evaluated that policy as its final one."""
+        every, end = self.eval.get("every", 1), self.start_iteration + self.iterations
+        if not every or not self.prompts.get("eval_fraction", 0.1):
+            return []
+        first = self.start_iteration + (1 if self.start_iteration else 0)
+        return [i for i in range(first, end + 1) if i % every == 0 or i == end]
+
+    def eval_rollout(self, iteration: int) -> dict:
+        """The rollout stage's config of the evaluation at `iteration`."""
+        return {**self.rollout, "samples": 1, "temperature": 0.0,
+                **{k: v for k, v in self.eval.items() if k != "every"},
+                "split": "eval", "prompts_per_iteration": 0, "aqn_sigma": 0.0, "num_shards": 1, "iteration": iteration}
 
 
 def load_run_config(path: str | None, **overrides) -> RunConfig:
@@ -328,6 +362,17 @@ def build_pipeline(cfg: RunConfig, target: str = "local"):
     layout = RunLayout(cfg.root, cfg.run)
     n = cfg.rollout_shards
 
+    def evaluation(i: int, adapter: str, upstream: list) -> None:
+        """Greedy answers to the eval split from the policy that rolls out iteration i, and their
+        rewards; beside iteration i's rollouts, nothing waits for them."""
+        roll = ops("rollout", model=layout.base_nvfp4(), prompts=layout.prompts(), output=layout.eval_rollouts(i),
+                   adapter=adapter, shard="0", config=_yaml(cfg.eval_rollout(i)))
+        if upstream:
+            roll.after(*upstream)
+        roll.set_display_name(f"eval rollout {i}")
+        reward = ops("reward", rollouts=roll.output, output=layout.eval_rewards(i), config=_yaml(cfg.reward))
+        reward.set_display_name(f"eval reward {i}")
+
     @dsl.pipeline(name=f"qerl-{cfg.run}", description="QeRL: NVFP4 base, LoRA, vLLM rollouts with AQN, GRPO/DAPO")
     def qerl():
         upstream = []
@@ -338,7 +383,10 @@ def build_pipeline(cfg: RunConfig, target: str = "local"):
             prompts = ops("prompts", model=layout.base(), output=layout.prompts(), config=_yaml(cfg.prompts)).after(base)
             upstream = [quant, prompts]
         adapter = cfg.init_adapter
+        evaluate = set(cfg.eval_iterations())
         for i in range(cfg.start_iteration, cfg.start_iteration + cfg.iterations):
+            if i in evaluate:
+                evaluation(i, adapter, upstream)
             roll_cfg = {**cfg.rollout, "iteration": i, "num_shards": n, "aqn_sigma": cfg.sigma(i)}
             # KFP types every field of a loop item like its first value: keep them all strings.
             shards = [{"output": layout.rollouts(i, s, n), "shard": str(s)} for s in range(n)]
@@ -357,36 +405,134 @@ def build_pipeline(cfg: RunConfig, target: str = "local"):
                         config=_yaml({**cfg.train, "iteration": i})).after(reward)
             train.set_display_name(f"train {i}")
             adapter, upstream = layout.adapter(i), [train]
+        if cfg.start_iteration + cfg.iterations in evaluate:
+            evaluation(cfg.start_iteration + cfg.iterations, adapter, upstream)
 
     return qerl
 
 
 # --------------------------------------------------------------------------- rerun
 
-def rerun_inputs(cfg: RunConfig, stage: str, iteration: int) -> list[dict]:
+# What the pipeline hands a stage task as inputs (URIs, the shard index), never in its config text.
+TASK_INPUTS = frozenset({"input", "output", "model", "prompts", "adapter", "state", "rollouts", "rewards", "shard",
+                         "overwrite"})
+
+
+def _stage_config_class(stage: str):
+    from importlib import import_module
+    name = {"base_model": "BaseModelConfig", "prompts": "PromptsConfig", "quantize": "QuantizeConfig",
+            "rollout": "RolloutConfig", "reward": "RewardConfig", "train": "TrainConfig"}[stage]
+    return getattr(import_module(f"components.{stage}.__main__"), name)
+
+
+def _full_config(stage: str, settings: dict) -> dict:
+    """Every field of the stage's config (defaults filled in), less the task inputs."""
+    import dataclasses
+    cls = _stage_config_class(stage)
+    placeholders = {f.name: (0 if f.name == "shard" else "file:///placeholder") for f in dataclasses.fields(cls)
+                    if f.name in TASK_INPUTS and f.name != "overwrite"}
+    if "rollouts" in placeholders:
+        placeholders["rollouts"] = [placeholders["rollouts"]]
+    full = dataclasses.asdict(cls(**{**settings, **placeholders}))
+    return {k: v for k, v in full.items() if k not in TASK_INPUTS}
+
+
+def recorded_stage_config(L: RunLayout, stage: str, iteration: int) -> tuple[str, dict] | None:
+    """(artifact URI, settings) of the newest published artifact of `stage` at `iteration`: the
+    config its manifest recorded, less the task inputs and fields this code no longer knows.
+    None when nothing is published there yet."""
+    import dataclasses
+
+    from components.common.storage import Artifact, list_artifacts
+    first = {"base_model": L.base(), "quantize": L.base_nvfp4(), "prompts": L.prompts(),
+             "rollout": L.rollouts_prefix(iteration), "reward": L.rewards(iteration), "train": L.adapter(iteration)}[stage]
+    if not L.versions(first):
+        return None
+    uri = L.latest(first)
+    if stage == "rollout":  # every shard of a version ran with the same settings but its index
+        uri = list_artifacts(uri)[0]
+    manifest = Artifact(uri).manifest
+    if manifest.get("stage") != stage:
+        custom = str(manifest.get("stage", "")).startswith("reward:")
+        raise ConfigError(f"{uri} was published by {'a custom reward' if custom else 'another stage'} "
+                          f"({manifest.get('stage')!r}), not by the built-in {stage} stage, so its settings are not "
+                          + ("this stage's: pass the run's --config (with its reward_component) to rerun it as it ran, "
+                             "or " if custom else "this stage's: pass ")
+                          + "--from-config to give the stage what --config (or the defaults) says")
+    known = {f.name for f in dataclasses.fields(_stage_config_class(stage))}
+    recorded = manifest.get("config") or {}
+    dropped = sorted(set(recorded) - known)
+    if dropped:
+        log.warning("%s recorded settings this version of the %s stage does not have; left out: %s",
+                    uri, stage, ", ".join(dropped))
+    return uri, {k: v for k, v in recorded.items() if k in known and k not in TASK_INPUTS}
+
+
+def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, given: dict,
+                  from_config: bool) -> dict:
+    """The settings a rerun gives the stage: by default those it recorded when it last ran at
+    this place (so `rerun` repeats the run, whatever --config says today); with from_config,
+    those the run config gives (`given`). Says which, and what differs, in the log."""
+    if stage == "reward" and cfg.reward_component:  # a custom reward's manifest config is its own business
+        log.info("rerun reward: a custom reward takes its config from the run config (--config)")
+        return given
+    try:
+        found = recorded_stage_config(L, stage, iteration)
+    except ConfigError as e:
+        if not from_config:
+            raise
+        log.info("rerun %s: settings from the run config (%s)", stage, e)
+        return given
+    if found is None:
+        log.warning("rerun %s: nothing of it is published at iteration %d yet; its settings come from %s",
+                    stage, iteration, "--config" if from_config else "the run config (--config or the defaults)")
+        return given
+    uri, recorded = found
+    try:
+        old, new = _full_config(stage, recorded), _full_config(stage, given)
+    except ConfigError as e:  # one of them does not validate today: the stage will say so if it is used
+        log.warning("rerun %s: cannot compare the recorded settings with the run config's: %s", stage, e)
+        old, new = recorded, given
+    diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if from_config:
+        log.info("rerun %s: settings from the run config; they differ from those recorded in %s in: %s",
+                 stage, uri, ", ".join(f"{k} {old.get(k)!r} → {new.get(k)!r}" for k in diff) or "nothing")
+        return given
+    log.info("rerun %s: settings recorded in %s%s", stage, uri,
+             f" (the run config differs in {', '.join(diff)}; --from-config takes those)" if diff else "")
+    return recorded
+
+
+def rerun_inputs(cfg: RunConfig, stage: str, iteration: int, from_config: bool = False) -> list[dict]:
     """The inputs of one stage's task(s), read from the newest committed artifacts of the run;
     the output is the next version of the stage's own artifact, so the old one is never
-    touched. A rollout rerun reruns every shard of the iteration into one new version."""
+    touched. A rollout rerun reruns every shard of the iteration into one new version. The
+    stage's settings are those it recorded when it last ran there (`_rerun_config`)."""
     if iteration < 0:
         raise ConfigError(f"--iteration must be >= 0, got {iteration}")
+    if stage not in STAGE_NAMES:
+        raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGE_NAMES)}")
     L = RunLayout(cfg.root, cfg.run)
+    settings = lambda given: _yaml(_rerun_config(cfg, L, stage, iteration, given, from_config))  # noqa: E731
     nxt = lambda uri: uri if not L.versions(uri) else f"{uri}.v{L.next_version(uri)}"  # noqa: E731
     prev = L.latest(L.adapter(iteration - 1)) if iteration > cfg.start_iteration else cfg.init_adapter
     if stage == "base_model":
-        return [dict(output=nxt(L.base()), config=_yaml({"source": cfg.base_model}))]
+        return [dict(output=nxt(L.base()), config=settings({"source": cfg.base_model}))]
     if stage == "quantize":
-        return [dict(input=L.latest(L.base()), output=nxt(L.base_nvfp4()), config="")]
+        return [dict(input=L.latest(L.base()), output=nxt(L.base_nvfp4()), config=settings({}))]
     if stage == "prompts":
-        return [dict(model=L.latest(L.base()), output=nxt(L.prompts()), config=_yaml(cfg.prompts))]
+        return [dict(model=L.latest(L.base()), output=nxt(L.prompts()), config=settings(cfg.prompts))]
     if stage == "rollout":
-        n, version = cfg.rollout_shards, L.next_version(L.rollouts_prefix(iteration))
-        config = _yaml({**cfg.rollout, "iteration": iteration, "num_shards": n, "aqn_sigma": cfg.sigma(iteration)})
+        config = _rerun_config(cfg, L, stage, iteration, {**cfg.rollout, "iteration": iteration, "num_shards":
+                                                          cfg.rollout_shards, "aqn_sigma": cfg.sigma(iteration)}, from_config)
+        n, version = config["num_shards"], L.next_version(L.rollouts_prefix(iteration))
+        config = _yaml(config)
         return [dict(model=L.latest(L.base_nvfp4()), prompts=L.latest(L.prompts()),
                      output=L.rollouts(iteration, s, n, version), adapter=prev, shard=str(s), config=config)
                 for s in range(n)]
     if stage == "reward":
         return [dict(rollouts=L.latest(L.rollouts_prefix(iteration)), output=nxt(L.rewards(iteration)),
-                     config=_yaml(cfg.reward))]
+                     config=settings(cfg.reward))]
     if stage == "train":
         rollouts, rewards = L.latest(L.rollouts_prefix(iteration)), L.latest(L.rewards(iteration))
         # Reward keys (prompt_id, sample_index) repeat across rollout versions: only the order of
@@ -398,8 +544,8 @@ def rerun_inputs(cfg: RunConfig, stage: str, iteration: int) -> list[dict]:
                               f"rollouts ({rollouts}): they scored other samples. Rerun reward first")
         return [dict(model=L.latest(L.base_nvfp4()), rollouts=rollouts,
                      rewards=rewards, output=nxt(L.adapter(iteration)), adapter=prev,
-                     state=prev, config=_yaml({**cfg.train, "iteration": iteration}))]
-    raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGE_NAMES)}")
+                     state=prev, config=settings({**cfg.train, "iteration": iteration}))]
+    raise AssertionError(stage)
 
 
 @dsl.component(base_image="python:3.11-slim")
@@ -428,7 +574,7 @@ def build_rerun_pipeline(cfg: RunConfig, stage: str, tasks: list[dict]):
 
 
 def cmd_rerun(cfg: RunConfig, args) -> None:
-    tasks = rerun_inputs(cfg, args.stage, args.iteration)
+    tasks = rerun_inputs(cfg, args.stage, args.iteration, args.from_config)
     outputs = [t["output"] for t in tasks]
     log.info("rerun %s of iteration %d → %s", args.stage, args.iteration, ", ".join(outputs))
     if not args.host:
@@ -456,13 +602,24 @@ def cmd_rerun(cfg: RunConfig, args) -> None:
 
 def collect_metrics(cfg: RunConfig) -> list[dict]:
     """One row per iteration of the run so far (a chained run's earlier ones too), from the
-    published metrics of rollout, reward and train."""
+    published metrics of rollout, reward, train and evaluation (of the policy that rolls out
+    that iteration); one more row for the final adapter's evaluation."""
     from components.common.storage import Artifact, list_artifacts
 
     layout, rows = RunLayout(cfg.root, cfg.run), []
     newest = lambda uri: layout.latest(uri) if layout.versions(uri) else None  # noqa: E731 - reruns count
-    for i in range(0, cfg.start_iteration + cfg.iterations):
-        row: dict[str, Any] = {"iteration": i, "aqn_sigma": cfg.sigma(i)}
+    end = cfg.start_iteration + cfg.iterations
+    for i in range(0, end + 1):  # the row after the last iteration holds the final adapter's evaluation
+        row: dict[str, Any] = {"iteration": i}
+        evaluated = newest(layout.eval_rewards(i))
+        if evaluated:
+            em = Artifact(evaluated).read_json("metrics.json")
+            row.update(eval_accuracy=em.get("accuracy"), eval_reward=em.get("reward_mean"))
+        if i == end:
+            if evaluated:
+                rows.append(row)
+            break
+        row["aqn_sigma"] = cfg.sigma(i)
         rollouts, rewards, adapter = (newest(layout.rollouts_prefix(i)), newest(layout.rewards(i)),
                                       newest(layout.adapter(i)))
         roll = [Artifact(u).read_json("metrics.json") for u in (list_artifacts(rollouts) if rollouts else [])]
@@ -482,7 +639,7 @@ def collect_metrics(cfg: RunConfig) -> list[dict]:
 
 
 def write_report(cfg: RunConfig, out_dir: Path) -> Path:
-    """metrics.json, a markdown table and PNG plots of reward, accuracy and entropy."""
+    """metrics.json, a markdown table and PNG plots of reward, accuracy (rollouts and eval) and entropy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -491,18 +648,24 @@ def write_report(cfg: RunConfig, out_dir: Path) -> Path:
     rows = collect_metrics(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
-    cols = [c for c in ("iteration", "aqn_sigma", "reward", "accuracy", "format_rate", "tied_groups", "loss",
-                        "entropy", "grad_norm", "rollout_logp_abs_diff", "completion_len", "rollout_tok_s")
+    cols = [c for c in ("iteration", "aqn_sigma", "reward", "accuracy", "eval_accuracy", "format_rate", "tied_groups",
+                        "loss", "entropy", "grad_norm", "rollout_logp_abs_diff", "completion_len", "rollout_tok_s")
             if any(r.get(c) is not None for r in rows)]
     fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
     table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     table += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     (out_dir / "metrics.md").write_text("\n".join(table) + "\n")
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, key, title in zip(axes, ("reward", "accuracy", "entropy"), ("mean reward", "accuracy", "token entropy")):
-        pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o")
+    panels = (("mean reward", [("reward", "rollouts")]), ("accuracy", [("accuracy", "rollouts"),
+                                                                     ("eval_accuracy", "eval split, greedy")]),
+              ("token entropy", [("entropy", "")]))
+    for ax, (title, series) in zip(axes, panels):
+        for key, label in series:
+            pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label or None)
+        if len(ax.get_lines()) > 1:
+            ax.legend(fontsize=8)
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -531,6 +694,8 @@ def cmd_run(cfg: RunConfig) -> None:
             if not exists(uri):
                 raise ConfigError(f"a chained run continues from {uri}, which is not published")
     log.info("running %d iteration(s) of %s locally; artifacts under %s", cfg.iterations, cfg.run, layout.prefix)
+    log.info("evaluating on the eval split: %s", ", ".join(f"the policy of iteration {i}" for i in cfg.eval_iterations())
+             or "nothing (eval.every is 0 or prompts.eval_fraction is 0)")
     build_pipeline(cfg, "local")()
     with Staging() as st:
         write_report(cfg, st.path)
@@ -587,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "rerun":
             sp.add_argument("stage", choices=STAGE_NAMES)
             sp.add_argument("--iteration", type=int, default=0, help="the iteration whose stage to rerun")
+            sp.add_argument("--from-config", action="store_true",
+                            help="give the stage the settings of --config (or the embedded defaults) instead of "
+                                 "those it recorded when it last ran there; the log lists what changes")
         sp.add_argument("--config", metavar="FILE", help="run config YAML (fields: see RunConfig in pipeline.py)")
         sp.add_argument("--run", help="run name (overrides the config)")
         sp.add_argument("--root", help="artifact store root (overrides the config)")

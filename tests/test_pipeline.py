@@ -37,20 +37,21 @@ def _component_config(spec: dict, task: dict) -> str:
 def test_compiled_dag(tmp_path, iterations):
     spec, k8s = compiled(tmp_path, iterations=iterations, rollout_shards=2)
     tasks = spec["root"]["dag"]["tasks"]
-    sfx = lambda i: "" if i == 0 else f"-{i + 1}"  # noqa: E731  KFP numbers repeated components
+    key = {t["taskInfo"]["name"]: n for n, t in tasks.items()}  # display name → task key (KFP numbers repeats)
     assert {"qerl-base-model", "qerl-quantize", "qerl-prompts"} <= set(tasks)
     assert tasks["qerl-quantize"]["dependentTasks"] == ["qerl-base-model"]
     loops = sorted(t for t in tasks if t.startswith("for-loop"))
     assert len(loops) == iterations
     for i in range(iterations):
-        reward, train, fan_in = tasks[f"qerl-reward{sfx(i)}"], tasks[f"qerl-train{sfx(i)}"], tasks[f"collect-shards{sfx(i)}"]
-        assert reward["inputs"]["parameters"]["rollouts"]["taskOutputParameter"]["producerTask"] == f"collect-shards{sfx(i)}"
-        assert set(train["dependentTasks"]) >= {f"qerl-reward{sfx(i)}", f"collect-shards{sfx(i)}"}
+        reward, train, fan_in = (tasks[key[f"reward {i}"]], tasks[key[f"train {i}"]],
+                                 tasks[key[f"collect rollouts {i}"]])
+        assert reward["inputs"]["parameters"]["rollouts"]["taskOutputParameter"]["producerTask"] == key[f"collect rollouts {i}"]
+        assert set(train["dependentTasks"]) >= {key[f"reward {i}"], key[f"collect rollouts {i}"]}
         assert fan_in["inputs"]["parameters"]["expected"]["runtimeValue"]["constant"] == 2
-        loop = tasks[loops[i]]
+        loop = tasks[key[f"rollouts-{i:04d}"]]
         items = json.loads(loop["parameterIterator"]["items"]["raw"])
         assert [x["output"] for x in items] == [f"s3://qerl/runs/ci/iter-{i:04d}/rollouts/shard-{s:03d}-of-002" for s in (0, 1)]
-        upstream = ["qerl-prompts", "qerl-quantize"] if i == 0 else [f"qerl-train{sfx(i - 1)}"]
+        upstream = ["qerl-prompts", "qerl-quantize"] if i == 0 else [key[f"train {i - 1}"]]
         assert sorted(loop["dependentTasks"]) == upstream  # the next rollout waits for the last train
         inner = spec["components"][loop["componentRef"]["name"]]["dag"]["tasks"]
         roll = next(t for n, t in inner.items() if n.startswith("qerl-rollout"))
@@ -78,6 +79,16 @@ def test_compiled_dag(tmp_path, iterations):
     assert res["cpuLimit"] == res["cpuRequest"] and res["memoryLimit"] == res["memoryRequest"]
     cm_env = {k["envVar"] for e in rk["configMapAsEnv"] for k in e["keyToEnv"]}
     assert cm_env == {"AWS_ENDPOINT_URL", "AWS_REGION"}
+    for i in range(iterations + 1):  # the policy of every iteration, and the final adapter, answer the eval split
+        roll, reward = tasks[key[f"eval rollout {i}"]], tasks[key[f"eval reward {i}"]]
+        params = roll["inputs"]["parameters"]
+        ecfg = yaml.safe_load(params["config"]["runtimeValue"]["constant"])
+        assert (ecfg["split"], ecfg["samples"], ecfg["temperature"], ecfg["aqn_sigma"], ecfg["num_shards"]) == (
+            "eval", 1, 0.0, 0.0, 1)
+        assert params["output"]["runtimeValue"]["constant"] == f"s3://qerl/runs/ci/eval/iter-{i:04d}/rollouts"
+        assert params["adapter"]["runtimeValue"]["constant"] == ("" if i == 0 else f"s3://qerl/runs/ci/iter-{i - 1:04d}/adapter")
+        assert sorted(roll["dependentTasks"]) == (["qerl-prompts", "qerl-quantize"] if i == 0 else [key[f"train {i - 1}"]])
+        assert reward["inputs"]["parameters"]["rollouts"]["taskOutputParameter"]["producerTask"] == key[f"eval rollout {i}"]
     retry = next(t for n, t in tasks.items() if n.startswith("qerl-train"))["retryPolicy"]
     assert retry["maxRetryCount"] == 2
     assert tasks["qerl-train"].get("cachingOptions", {}).get("enableCache") in (None, False)
@@ -229,6 +240,56 @@ def test_rerun_train_refuses_rewards_of_older_rollouts(tmp_path):
     assert task["rollouts"] == L.rollouts_prefix(0, 2) and task["rewards"] == L.rewards(0, 2)
 
 
+def test_rerun_repeats_the_recorded_settings(tmp_path, caplog):
+    import logging
+
+    from components.common.storage import publish_dir
+
+    caplog.set_level(logging.INFO, logger="qerl.pipeline")
+    L = RunLayout(str(tmp_path), "r")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x").write_text("x")
+    ran_with = {"rollouts": [L.rollouts_prefix(0)], "output": L.rewards(0), "overwrite": False,
+                "reward": ["gsm8k:1.0", "overlong:0.5"], "params": {"overlong": {"buffer": 20}}}
+    publish_dir(src, L.rewards(0), stage="reward", config=ran_with, progress=False)
+    roll = {"model": "m", "prompts": "p", "output": "o", "adapter": "", "shard": 1, "num_shards": 3,
+            "iteration": 0, "samples": 7, "aqn_sigma": 0.0, "retired_setting": 1}
+    for s in range(3):
+        publish_dir(src, L.rollouts(0, s, 3), stage="rollout", config=dict(roll, shard=s), progress=False)
+    publish_dir(src, L.base(), stage="base_model", config={"source": "embedded"}, progress=False)
+    cfg = pipeline.load_run_config(None, root=str(tmp_path), run="r")  # today's (default) config
+    [task] = pipeline.rerun_inputs(cfg, "quantize", 0)  # nothing ran there yet: the run config's
+    assert task["config"] == "" and "nothing of it is published" in caplog.text
+    for uri in (L.base_nvfp4(), L.prompts()):
+        publish_dir(src, uri, stage="test", progress=False)
+
+    [task] = pipeline.rerun_inputs(cfg, "reward", 0)
+    assert yaml.safe_load(task["config"]) == {"reward": ["gsm8k:1.0", "overlong:0.5"],
+                                              "params": {"overlong": {"buffer": 20}}}
+    assert "the run config differs in params, reward" in caplog.text
+    [task] = pipeline.rerun_inputs(cfg, "reward", 0, from_config=True)
+    assert yaml.safe_load(task["config"])["reward"] == cfg.reward["reward"]
+    assert "reward ['gsm8k:1.0', 'overlong:0.5'] → ['gsm8k:1.0', 'format:0.1']" in caplog.text
+
+    tasks = pipeline.rerun_inputs(cfg, "rollout", 0)  # the run had 3 shards; today's config says 1
+    assert [t["output"] for t in tasks] == [L.rollouts(0, s, 3, version=2) for s in range(3)]
+    assert [t["shard"] for t in tasks] == ["0", "1", "2"]
+    assert yaml.safe_load(tasks[0]["config"]) == {"num_shards": 3, "iteration": 0, "samples": 7, "aqn_sigma": 0.0}
+    assert "left out: retired_setting" in caplog.text
+    assert len(pipeline.rerun_inputs(cfg, "rollout", 0, from_config=True)) == 1
+
+    with pytest.raises(ConfigError, match="published by another stage .*--from-config"):
+        pipeline.rerun_inputs(cfg, "quantize", 0)
+    assert pipeline.rerun_inputs(cfg, "quantize", 0, from_config=True)[0]["output"] == L.base_nvfp4() + ".v2"
+
+    publish_dir(src, L.rewards(0, version=2), stage="reward:length_reward", config={"keywords": ["a"]}, progress=False)
+    with pytest.raises(ConfigError, match="published by a custom reward .*reward_component"):
+        pipeline.rerun_inputs(cfg, "reward", 0)
+    with pytest.raises(ConfigError, match="unknown stage"):
+        pipeline.rerun_inputs(cfg, "evaluate", 0)
+
+
 def test_report_reads_the_newest_version_of_each_artifact(tmp_path):
     from components.common.storage import publish_dir
 
@@ -262,7 +323,7 @@ def run_pipeline_cli(*args) -> subprocess.CompletedProcess:
 
 LOCAL_CONFIG = {
     "run": "e2e", "iterations": 2,
-    "prompts": {"reasoning_gym": "basic_arithmetic", "size": 16, "seed": 0, "eval_fraction": 0.0,
+    "prompts": {"reasoning_gym": "basic_arithmetic", "size": 16, "seed": 0, "eval_fraction": 0.2,  # 4 eval prompts
                 "reasoning_gym_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
     "rollout": {"prompts_per_iteration": 3, "samples": 4, "max_tokens": 24, "max_model_len": 512, "max_lora_rank": 16},
     # overlong shaping makes the rewards of a group differ, so every iteration really trains
@@ -297,9 +358,16 @@ def test_local_run_two_iterations(local_run):
     assert Artifact(L.rollouts(0)).read_json("metrics.json")["lora_slot_rank"] == 0
     assert Artifact(L.rollouts(1)).read_json("metrics.json")["lora_slot_rank"] >= 1
     assert Artifact(L.adapter(0)).read_json("metrics.json")["updated"] is True
+    # the base, the policy of iteration 1 and the final adapter answered the 4 eval prompts, greedily
+    eval_prompts = {r["prompt_id"] for r in read_artifact_table(L.prompts(), "prompts", ["eval.arrow"]).to_pylist()}
+    for i, digest in ((0, ""), (1, a0.digest), (2, a1.digest)):
+        rows = read_artifact_table(L.eval_rollouts(i), "rollouts").to_pylist()
+        assert len(eval_prompts) == 4 and {r["prompt_id"] for r in rows} == eval_prompts and len(rows) == 4
+        assert {(r["adapter_digest"], r["temperature"], r["aqn_sigma"]) for r in rows} == {(digest, 0.0, 0.0)}
+        assert exists(L.eval_rewards(i))
     report = Path(L.report())
     table = (report / "metrics.md").read_text()
-    assert table.startswith("| iteration |") and len(table.strip().splitlines()) == 4
+    assert table.startswith("| iteration |") and "eval_accuracy" in table and len(table.strip().splitlines()) == 5
     assert (report / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| iteration |" in proc.stdout
 
@@ -309,8 +377,10 @@ def test_rerun_one_stage_publishes_a_new_version(local_run):
     root, cfg_path, _ = local_run
     L = RunLayout(str(root), "e2e")
     before = Artifact(L.rewards(1)).manifest
-    p = run_pipeline_cli("rerun", "reward", "--iteration", "1", "--config", str(cfg_path))
+    # no --config: the defaults' reward differs from the run's, the recorded one is what reruns
+    p = run_pipeline_cli("rerun", "reward", "--iteration", "1", "--root", str(root), "--run", "e2e")
     assert p.stdout.strip().endswith("iter-0001/rewards.v2")
+    assert "settings recorded in" in p.stderr
     assert Artifact(L.rewards(1)).manifest == before  # the old version is untouched
     v2 = read_artifact_table(L.rewards(1) + ".v2", "rewards")
     assert v2.equals(read_artifact_table(L.rewards(1), "rewards"))  # deterministic reward, same rollouts
@@ -335,5 +405,7 @@ def test_chained_iteration_with_a_user_reward_component(local_run):
     it2 = read_artifact_table(L.rollouts(2), "rollouts").to_pylist()
     assert {r["adapter_digest"] for r in it2} == {Artifact(L.adapter(1)).digest}
     assert exists(L.adapter(2)) and "| 2 |" in p.stdout and "| 0 |" in p.stdout  # the report spans the whole run
+    assert exists(L.eval_rewards(3)) and L.versions(L.eval_rewards(2)) == [1]  # the last run evaluated policy 2
+    assert "| 3 |" in p.stdout
 
 

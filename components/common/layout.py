@@ -7,7 +7,8 @@
     <root>/<run>/iter-0003/rewards/            reward shard (reward)
     <root>/<run>/iter-0003/adapter/            PEFT LoRA adapter (train)
     <root>/<run>/iter-0003/train/              optimizer + scheduler state, train metrics (train)
-    <root>/<run>/eval/                         evaluation results
+    <root>/<run>/eval/iter-0003/rollouts/      greedy samples on the eval split from the policy that
+    <root>/<run>/eval/iter-0003/rewards/       rolls out iteration 3 (adapter of 2), and their rewards
     <root>/<run>/report/                       metrics table and plots
 
 A rerun of one stage publishes a new version beside the old one (`rewards.v2/`, …) and
@@ -75,8 +76,12 @@ class RunLayout:
     def train_state(self, i: int, version: int = 1) -> str:
         return self._at(f"iter-{i:04d}", _versioned("train", version))
 
-    def eval(self) -> str:
-        return self._at("eval")
+    def eval_rollouts(self, i: int, version: int = 1) -> str:
+        """Evaluation samples of the policy that rolls out iteration i (the base at 0)."""
+        return self._at("eval", f"iter-{i:04d}", _versioned("rollouts", version))
+
+    def eval_rewards(self, i: int, version: int = 1) -> str:
+        return self._at("eval", f"iter-{i:04d}", _versioned("rewards", version))
 
     def report(self) -> str:
         return self._at("report")
