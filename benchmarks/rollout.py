@@ -6,7 +6,8 @@
 Random weights of a real model's shape (`load_format="dummy"`, no tokenizer), a PEFT LoRA of
 rank `--lora-rank` on q,k,v,o,gate,up,down (random, nonzero) served through `LoRARequest`,
 `--prompt-len` random prompt tokens and `--max-tokens` new tokens per sequence (ignore_eos),
-temperature 1.0. For each concurrency c, c sequences are generated together and the output
+temperature 1.0, and, as the rollout stage asks, the log-prob of every sampled token under the
+distribution sampled from (`--logprobs off` leaves them out, as every figure before 2026-12-05 did). For each concurrency c, c sequences are generated together and the output
 tokens/s is c·max_tokens / wall time (one warm-up batch first). Each backend runs in its own
 process (one vLLM engine per process). Prints a table and, per concurrency, the NVFP4 backend
 the rollout stage's `auto` would choose from these figures; `--write-table` saves them as the
@@ -110,7 +111,8 @@ def worker(args) -> dict:
               max_num_seqs=max(conc),
               max_model_len=args.prompt_len + args.max_tokens + 16, enable_prefix_caching=False,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              compilation_config={"cudagraph_capture_sizes": sizes}, **extra)
+              compilation_config={"cudagraph_capture_sizes": sizes},
+              **({"logprobs_mode": "processed_logprobs"} if args.logprobs == "on" else {}), **extra)
     start_s = time.time() - t0
 
     def inspect(model):
@@ -127,14 +129,15 @@ def worker(args) -> dict:
     def batch(c, tokens):
         prompts = [{"prompt_token_ids": torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()}
                    for _ in range(c)]
-        params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False, seed=0)
+        params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False, seed=0,
+                                logprobs=0 if args.logprobs == "on" else None)
         t = time.time()
         outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs), time.time() - t
 
     result = {"backend": backend, "shape": args.shape, "lora_rank": args.lora_rank,
               "lora_slot_rank": (args.lora_slot_rank or args.lora_rank) if use_lora else 0,
-              "engine_start_s": round(start_s, 1), "linear_kernels": kernels,
+              "engine_start_s": round(start_s, 1), "linear_kernels": kernels, "logprobs": args.logprobs == "on",
               "weight_gib": round(weight_bytes / 2**30, 2), "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
               "tokens_per_second": {}, "seconds": {}}
     deadline = time.time() + args.budget_s
@@ -237,6 +240,8 @@ def main(argv=None) -> int:
                          "rollout stage uses)")
     ap.add_argument("--profile", default="", help="comma list of concurrencies at which to profile the decode "
                                                  "(GPU time per step by kernel kind vs wall time, prefill excluded)")
+    ap.add_argument("--logprobs", choices=("on", "off"), default="on",
+                    help="return each sampled token's log-prob, as the rollout stage does (on)")
     ap.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -293,6 +298,7 @@ def report(out: Path, table_path: str | None) -> None:
     any_r = next(iter(results.values()))
     rank = any_r.get("lora_rank", 32)  # results written before lora_rank was recorded ran r32
     lora = f"LoRA r{rank}" if rank else "no LoRA"
+    lora += ", sampled-token logprobs" if any_r.get("logprobs") else ", no logprobs"
     table = {"measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, {lora}, "
                             f"benchmarks/rollout.py, {time.strftime('%Y-%m-%d')}",
              "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()},
