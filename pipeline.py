@@ -181,20 +181,56 @@ class RunConfig:
         return sigma_schedule(iteration, total, **self.aqn)
 
     def eval_iterations(self) -> list[int]:
-        """The iterations whose policy this run evaluates: every `eval.every`-th and the one after
-        the last (the final adapter). A chained run skips its first: the run before it
-        evaluated that policy as its final one."""
+        """The iterations whose policy this run evaluates, by the config alone: every
+        `eval.every`-th and the one after the last (the final adapter). `evaluations` below also
+        asks the store (a chained run's prompts and what the run before it evaluated)."""
         every, end = self.eval.get("every", 1), self.start_iteration + self.iterations
         if not every or not self.prompts.get("eval_fraction", 0.1):
             return []
-        first = self.start_iteration + (1 if self.start_iteration else 0)
-        return [i for i in range(first, end + 1) if i % every == 0 or i == end]
+        return [i for i in range(self.start_iteration, end + 1) if i % every == 0 or i == end]
 
     def eval_rollout(self, iteration: int) -> dict:
         """The rollout stage's config of the evaluation at `iteration`."""
         return {**self.rollout, "samples": 1, "temperature": 0.0,
                 **{k: v for k, v in self.eval.items() if k != "every"},
                 "split": "eval", "prompts_per_iteration": 0, "aqn_sigma": 0.0, "num_shards": 1, "iteration": iteration}
+
+
+def evaluations(cfg: RunConfig) -> list[int]:
+    """The iterations whose policy this run evaluates: `cfg.eval_iterations()`, less what a
+    chained run's published artifacts make pointless. Its prompts come from the first run, so
+    their metrics say whether there is an eval split at all (the config's eval_fraction may
+    have changed since); and its first policy is the run before's final adapter, evaluated
+    there unless that run did not evaluate (eval.every 0, or stopped early). When the store
+    cannot be read here (compiling for a cluster without its credentials), the config decides
+    and a chained run leaves its first policy to the run before."""
+    planned = cfg.eval_iterations()
+    if not planned or not cfg.start_iteration:
+        return planned
+    from components.common.storage import Artifact, StorageError
+    L, first = RunLayout(cfg.root, cfg.run), cfg.start_iteration
+    try:
+        eval_prompts = Artifact(L.prompts()).read_json("metrics.json").get("eval")
+        evaluated = L.versions(L.eval_rewards(first))
+    except StorageError as e:
+        log.warning("cannot read the run's prompts and evaluations (%s): planning the evaluations from the config; "
+                    "the policy of iteration %d is left to the run before", e, first)
+        return [i for i in planned if i != first]
+    if eval_prompts == 0:
+        log.warning("the prompts of %s hold no eval split (made with eval_fraction %s): nothing is evaluated",
+                    cfg.run, Artifact(L.prompts()).manifest.get("config", {}).get("eval_fraction"))
+        return []
+    if evaluated:
+        rollouts = L.latest(L.eval_rollouts(first))
+        adapter = Artifact(rollouts).manifest.get("config", {}).get("adapter")
+        if adapter == cfg.init_adapter:
+            log.info("the policy of iteration %d (%s) was evaluated by the run before: %s", first, adapter, rollouts)
+        else:
+            log.warning("the evaluation of iteration %d (%s) is of adapter %s, not of init_adapter %s; this run does "
+                        "not redo it (python -m components.rollout --split eval … evaluates any adapter)",
+                        first, rollouts, adapter or "(none)", cfg.init_adapter)
+        return [i for i in planned if i != first]
+    return planned
 
 
 def load_run_config(path: str | None, **overrides) -> RunConfig:
@@ -356,22 +392,27 @@ class Ops:
                 task.set_env_variable(name, value)
 
 
-def build_pipeline(cfg: RunConfig, target: str = "local"):
-    """The pipeline function for `cfg`: target 'local' (kfp.local twins) or 'cluster'."""
+def build_pipeline(cfg: RunConfig, target: str = "local", evals: list[int] | None = None):
+    """The pipeline function for `cfg`: target 'local' (kfp.local twins) or 'cluster'; evals:
+    the iterations whose policy it evaluates (default: `evaluations(cfg)`)."""
     ops = Ops(cfg, target)
     layout = RunLayout(cfg.root, cfg.run)
     n = cfg.rollout_shards
+    evaluated = evaluations(cfg) if evals is None else evals
+
+    last_eval = []  # an evaluation waits for the one before: at most one eval GPU task at a time
 
     def evaluation(i: int, adapter: str, upstream: list) -> None:
         """Greedy answers to the eval split from the policy that rolls out iteration i, and their
-        rewards; beside iteration i's rollouts, nothing waits for them."""
+        rewards; beside iteration i's rollouts, no training task waits for them."""
         roll = ops("rollout", model=layout.base_nvfp4(), prompts=layout.prompts(), output=layout.eval_rollouts(i),
                    adapter=adapter, shard="0", config=_yaml(cfg.eval_rollout(i)))
-        if upstream:
-            roll.after(*upstream)
+        if upstream or last_eval:
+            roll.after(*upstream, *last_eval)
         roll.set_display_name(f"eval rollout {i}")
         reward = ops("reward", rollouts=roll.output, output=layout.eval_rewards(i), config=_yaml(cfg.reward))
         reward.set_display_name(f"eval reward {i}")
+        last_eval[:] = [reward]
 
     @dsl.pipeline(name=f"qerl-{cfg.run}", description="QeRL: NVFP4 base, LoRA, vLLM rollouts with AQN, GRPO/DAPO")
     def qerl():
@@ -383,7 +424,7 @@ def build_pipeline(cfg: RunConfig, target: str = "local"):
             prompts = ops("prompts", model=layout.base(), output=layout.prompts(), config=_yaml(cfg.prompts)).after(base)
             upstream = [quant, prompts]
         adapter = cfg.init_adapter
-        evaluate = set(cfg.eval_iterations())
+        evaluate = set(evaluated)
         for i in range(cfg.start_iteration, cfg.start_iteration + cfg.iterations):
             if i in evaluate:
                 evaluation(i, adapter, upstream)
@@ -473,8 +514,16 @@ def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, give
     """The settings a rerun gives the stage: by default those it recorded when it last ran at
     this place (so `rerun` repeats the run, whatever --config says today); with from_config,
     those the run config gives (`given`). Says which, and what differs, in the log."""
+    where = f" at iteration {iteration}" if stage in ("rollout", "reward", "train") else ""
     if stage == "reward" and cfg.reward_component:  # a custom reward's manifest config is its own business
-        log.info("rerun reward: a custom reward takes its config from the run config (--config)")
+        if L.versions(L.rewards(iteration)) and not from_config:
+            from components.common.storage import Artifact
+            uri = L.latest(L.rewards(iteration))
+            if Artifact(uri).manifest.get("stage") == "reward":
+                raise ConfigError(f"{uri} was scored by the built-in reward, but the run config names reward_component "
+                                  f"{cfg.reward_component}: rerun without it to repeat the built-in reward, or pass "
+                                  "--from-config to score with the custom one")
+        log.info("rerun reward: a custom reward takes its config from the run config")
         return given
     try:
         found = recorded_stage_config(L, stage, iteration)
@@ -484,8 +533,8 @@ def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, give
         log.info("rerun %s: settings from the run config (%s)", stage, e)
         return given
     if found is None:
-        log.warning("rerun %s: nothing of it is published at iteration %d yet; its settings come from %s",
-                    stage, iteration, "--config" if from_config else "the run config (--config or the defaults)")
+        log.warning("rerun %s: nothing of it is published%s yet; its settings come from the run config "
+                    "(--config, or the embedded defaults without it)", stage, where)
         return given
     uri, recorded = found
     try:
@@ -648,7 +697,8 @@ def write_report(cfg: RunConfig, out_dir: Path) -> Path:
     rows = collect_metrics(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
-    cols = [c for c in ("iteration", "aqn_sigma", "reward", "accuracy", "eval_accuracy", "format_rate", "tied_groups",
+    cols = [c for c in ("iteration", "aqn_sigma", "reward", "accuracy", "eval_accuracy", "eval_reward", "format_rate",
+                        "tied_groups",
                         "loss", "entropy", "grad_norm", "rollout_logp_abs_diff", "completion_len", "rollout_tok_s")
             if any(r.get(c) is not None for r in rows)]
     fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
@@ -694,9 +744,10 @@ def cmd_run(cfg: RunConfig) -> None:
             if not exists(uri):
                 raise ConfigError(f"a chained run continues from {uri}, which is not published")
     log.info("running %d iteration(s) of %s locally; artifacts under %s", cfg.iterations, cfg.run, layout.prefix)
-    log.info("evaluating on the eval split: %s", ", ".join(f"the policy of iteration {i}" for i in cfg.eval_iterations())
-             or "nothing (eval.every is 0 or prompts.eval_fraction is 0)")
-    build_pipeline(cfg, "local")()
+    evals = evaluations(cfg)
+    log.info("evaluating on the eval split: %s", ", ".join(f"the policy of iteration {i}" for i in evals)
+             or "nothing (eval.every is 0, prompts.eval_fraction is 0 or the prompts hold no eval split)")
+    build_pipeline(cfg, "local", evals)()
     with Staging() as st:
         write_report(cfg, st.path)
         print((st.path / "metrics.md").read_text())

@@ -33,6 +33,11 @@ def _component_config(spec: dict, task: dict) -> str:
     return task["inputs"]["parameters"]["config"]["runtimeValue"]["constant"]
 
 
+def _executor(spec: dict, task: dict) -> str:
+    """The executor label of a task (KFP gives each use of a component its own)."""
+    return spec["components"][task["componentRef"]["name"]]["executorLabel"]
+
+
 @pytest.mark.parametrize("iterations", [1, 3])
 def test_compiled_dag(tmp_path, iterations):
     spec, k8s = compiled(tmp_path, iterations=iterations, rollout_shards=2)
@@ -61,21 +66,24 @@ def test_compiled_dag(tmp_path, iterations):
         adapter = roll["inputs"]["parameters"]["adapter"]["runtimeValue"]["constant"]
         assert adapter == ("" if i == 0 else f"s3://qerl/runs/ci/iter-{i - 1:04d}/adapter")
     execs = spec["deploymentSpec"]["executors"]
-    roll_exec = next(e for n, e in execs.items() if n.startswith("exec-qerl-rollout"))["container"]
+    inner = spec["components"][tasks[key["rollouts-0000"]]["componentRef"]["name"]]["dag"]["tasks"]
+    roll_label = _executor(spec, next(t for n, t in inner.items() if n.startswith("qerl-rollout")))
+    reward_label = _executor(spec, tasks[key["reward 0"]])
+    roll_exec = execs[roll_label]["container"]
     assert roll_exec["image"] == "qerl/rollout:0.1.0" and roll_exec["command"] == ["python", "-m", "components.rollout"]
     assert roll_exec["resources"]["accelerator"] == {"count": "1", "resourceCount": "1", "resourceType": "nvidia.com/gpu",
                                                      "type": "nvidia.com/gpu"}
-    assert "accelerator" not in execs["exec-qerl-reward"]["container"].get("resources", {})
-    rk = next(e for n, e in k8s.items() if n.startswith("exec-qerl-rollout"))
+    assert "accelerator" not in execs[reward_label]["container"].get("resources", {})
+    rk = k8s[roll_label]
     assert rk["emptyDirMounts"][0] == {"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "16Gi", "volumeName": "dshm"}
     assert rk["nodeSelector"]["labels"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert rk["activeDeadlineSeconds"] == "21600" and rk["secretAsEnv"][0]["secretName"] == "qerl-s3"
     assert rk["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert k8s["exec-qerl-reward"]["secretAsEnv"][0]["secretName"] == "qerl-s3-reward"
-    assert k8s["exec-qerl-reward"]["podMetadata"]["labels"] == {"qerl.io/role": "reward"}
-    assert k8s["exec-qerl-reward"]["securityContext"]["runAsNonRoot"] is True
+    assert k8s[reward_label]["secretAsEnv"][0]["secretName"] == "qerl-s3-reward"
+    assert k8s[reward_label]["podMetadata"]["labels"] == {"qerl.io/role": "reward"}
+    assert k8s[reward_label]["securityContext"]["runAsNonRoot"] is True
     assert "securityContext" not in rk
-    res = execs["exec-qerl-reward"]["container"]["resources"]
+    res = execs[reward_label]["container"]["resources"]
     assert res["cpuLimit"] == res["cpuRequest"] and res["memoryLimit"] == res["memoryRequest"]
     cm_env = {k["envVar"] for e in rk["configMapAsEnv"] for k in e["keyToEnv"]}
     assert cm_env == {"AWS_ENDPOINT_URL", "AWS_REGION"}
@@ -87,12 +95,60 @@ def test_compiled_dag(tmp_path, iterations):
             "eval", 1, 0.0, 0.0, 1)
         assert params["output"]["runtimeValue"]["constant"] == f"s3://qerl/runs/ci/eval/iter-{i:04d}/rollouts"
         assert params["adapter"]["runtimeValue"]["constant"] == ("" if i == 0 else f"s3://qerl/runs/ci/iter-{i - 1:04d}/adapter")
-        assert sorted(roll["dependentTasks"]) == (["qerl-prompts", "qerl-quantize"] if i == 0 else [key[f"train {i - 1}"]])
+        # after the policy's train, and after the evaluation before it (one eval GPU task at a time)
+        assert sorted(roll["dependentTasks"]) == (["qerl-prompts", "qerl-quantize"] if i == 0 else
+                                                  sorted([key[f"train {i - 1}"], key[f"eval reward {i - 1}"]]))
+        assert _executor(spec, roll) != roll_label and _executor(spec, reward) != reward_label
         assert reward["inputs"]["parameters"]["rollouts"]["taskOutputParameter"]["producerTask"] == key[f"eval rollout {i}"]
     retry = next(t for n, t in tasks.items() if n.startswith("qerl-train"))["retryPolicy"]
     assert retry["maxRetryCount"] == 2
     assert tasks["qerl-train"].get("cachingOptions", {}).get("enableCache") in (None, False)
     assert tasks["qerl-quantize"]["cachingOptions"]["enableCache"] is True
+
+
+def _eval_tasks(spec: dict) -> list[str]:
+    return sorted(t["taskInfo"]["name"] for t in spec["root"]["dag"]["tasks"].values()
+                  if t["taskInfo"]["name"].startswith("eval "))
+
+
+def test_compiled_evaluations(tmp_path, caplog):
+    spec, _ = compiled(tmp_path, iterations=5, eval={"every": 2, "max_tokens": 64})
+    assert _eval_tasks(spec) == [f"eval {k} {i}" for k in ("reward", "rollout") for i in (0, 2, 4, 5)]
+    roll = next(t for t in spec["root"]["dag"]["tasks"].values() if t["taskInfo"]["name"] == "eval rollout 2")
+    assert yaml.safe_load(_component_config(spec, roll))["max_tokens"] == 64
+    assert _eval_tasks(compiled(tmp_path, eval={"every": 0})[0]) == []
+    assert _eval_tasks(compiled(tmp_path, prompts={**pipeline.RunConfig().prompts, "eval_fraction": 0.0})[0]) == []
+    # a chained run whose store cannot be read here: the policy it starts from is left to the run before
+    with caplog.at_level("WARNING"):
+        spec, _ = compiled(tmp_path, start_iteration=3, iterations=2, init_adapter="s3://qerl/runs/ci/iter-0002/adapter")
+    assert _eval_tasks(spec) == ["eval reward 4", "eval reward 5", "eval rollout 4", "eval rollout 5"]
+    assert "planning the evaluations from the config" in caplog.text
+    with pytest.raises(ConfigError, match="eval: split cannot be set"):
+        pipeline.load_run_config(None, eval={"split": "train"})
+
+
+def test_a_chained_run_evaluates_what_the_run_before_did_not(tmp_path, caplog):
+    from components.common.storage import publish_dir
+
+    L, src = RunLayout(str(tmp_path), "r"), tmp_path / "src"
+    src.mkdir()
+    (src / "metrics.json").write_text(json.dumps({"train": 9, "eval": 0}))
+    publish_dir(src, L.prompts(), stage="prompts", config={"eval_fraction": 0.0}, progress=False)
+    cfg = pipeline.load_run_config(None, root=str(tmp_path), run="r", start_iteration=2, iterations=2,
+                                   init_adapter=L.adapter(1))
+    assert pipeline.evaluations(cfg) == []  # the first run's prompts hold no eval split, whatever cfg says
+    assert "hold no eval split" in caplog.text
+    (src / "metrics.json").write_text(json.dumps({"train": 9, "eval": 3}))
+    publish_dir(src, L.prompts(), stage="prompts", config={"eval_fraction": 0.2}, progress=False, overwrite=True)
+    assert pipeline.evaluations(cfg) == [2, 3, 4]  # the run before never evaluated policy 2
+    publish_dir(src, L.eval_rollouts(2), stage="rollout", config={"adapter": L.adapter(1)}, progress=False)
+    publish_dir(src, L.eval_rewards(2), stage="reward", progress=False)
+    assert pipeline.evaluations(cfg) == [3, 4]
+    other = pipeline.load_run_config(None, root=str(tmp_path), run="r", start_iteration=2, iterations=2,
+                                     init_adapter=L.adapter(1, version=2))
+    with caplog.at_level("WARNING"):
+        assert pipeline.evaluations(other) == [3, 4]
+    assert "not of init_adapter" in caplog.text
 
 
 def test_irsa_and_local_roots(tmp_path):
@@ -148,7 +204,8 @@ def test_a_custom_reward_without_a_config_input(tmp_path):
     path = tmp_path / "reward.yaml"
     path.write_text(yaml.safe_dump(spec))
     ir, _ = compiled(tmp_path, reward_component=str(path), reward={})
-    task = next(t for n, t in ir["root"]["dag"]["tasks"].items() if n.startswith("length-reward"))
+    task = next(t for t in ir["root"]["dag"]["tasks"].values() if t["taskInfo"]["name"] == "reward 0")
+    assert task["componentRef"]["name"].startswith("comp-length-reward")
     assert "config" not in task["inputs"]["parameters"]
     with pytest.raises(pipeline.ConfigError, match="declares no 'config' input"):
         compiled(tmp_path, reward_component=str(path), reward={"target_tokens": 64})
@@ -282,6 +339,12 @@ def test_rerun_repeats_the_recorded_settings(tmp_path, caplog):
     with pytest.raises(ConfigError, match="published by another stage .*--from-config"):
         pipeline.rerun_inputs(cfg, "quantize", 0)
     assert pipeline.rerun_inputs(cfg, "quantize", 0, from_config=True)[0]["output"] == L.base_nvfp4() + ".v2"
+
+    custom = pipeline.load_run_config(None, root=str(tmp_path), run="r",
+                                      reward_component=str(ROOT / "examples/length_reward/component.yaml"))
+    with pytest.raises(ConfigError, match="scored by the built-in reward, but the run config names reward_component"):
+        pipeline.rerun_inputs(custom, "reward", 0)  # would silently swap the reward function
+    assert pipeline.rerun_inputs(custom, "reward", 0, from_config=True)[0]["output"] == L.rewards(0, 2)
 
     publish_dir(src, L.rewards(0, version=2), stage="reward:length_reward", config={"keywords": ["a"]}, progress=False)
     with pytest.raises(ConfigError, match="published by a custom reward .*reward_component"):

@@ -122,6 +122,7 @@ def test_prompts_from_reasoning_gym_to_s3(smollm2_artifact, s3_bucket, tmp_path)
     (["--gsm8k-jsonl", "missing.jsonl"], "file not found"),
     (["--gsm8k-jsonl", "x.jsonl", "--reasoning-gym", "basic_arithmetic", "--size", "2"], "exactly one source"),
     (["--reasoning-gym", "basic_arithmetic", "--size", "3", "--eval-fraction", "1.5"], "eval-fraction"),
+    (["--reasoning-gym", "basic_arithmetic", "--size", "2", "--eval-fraction", "0.01"], "held out none of the 2"),
 ])
 def test_prompts_bad_input(smollm2_artifact, tmp_path, args, msg):
     p = run_cli("components.prompts", "--model", str(smollm2_artifact), "--output", str(tmp_path / "o"), *args,

@@ -162,6 +162,9 @@ def main(cfg: PromptsConfig) -> None:
                             "prompt_token_ids": ids, "source": source})
     if not rows["train"]:
         raise ConfigError("no training prompts left (all too long or held out)")
+    if cfg.eval_fraction and not rows["eval"]:
+        raise ConfigError(f"eval_fraction {cfg.eval_fraction} held out none of the {len(rows['train'])} prompts: "
+                          "raise it or the number of prompts, or set it to 0 for no eval split")
     lengths = [len(r["prompt_token_ids"]) for split in rows.values() for r in split]
     metrics = {"source": source, "tasks": len(tasks), "duplicates": len(tasks) - len(seen),
                "too_long": too_long, "train": len(rows["train"]), "eval": len(rows["eval"]),

@@ -130,6 +130,10 @@ def main(cfg: RolloutConfig) -> None:
     from components.rollout.engine import EngineConfig, RolloutEngine, check_adapter, lora_slot_rank
 
     prompts = read_artifact_table(cfg.prompts, "prompts", [f"{cfg.split}.arrow"]).to_pylist()
+    if not prompts:
+        raise ConfigError(f"{cfg.prompts} holds no {cfg.split} prompts"
+                          + (" (the prompts stage ran with eval_fraction 0, or too few prompts to hold any out)"
+                             if cfg.split == "eval" else ""))
     chosen = select_prompts(prompts, cfg)
     if not chosen:
         raise ConfigError(f"shard {cfg.shard} of {cfg.num_shards} gets no prompts "
