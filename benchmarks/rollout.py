@@ -230,7 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=400, help="per backend: skip concurrencies after this")
     ap.add_argument("--out", default="/tmp/qerl-rollout-bench", help="work dir; results go to results-*.json")
     ap.add_argument("--write-table", nargs="?", const="components/rollout/backend_throughput.json", default=None,
-                    help="save the merged figures (all results-*.json in --out) as the stage's measured table")
+                    help="save the merged figures (all results-*.json in --out) as the stage's measured table for "
+                         "this GPU model (tables of other GPUs in the file are kept)")
     ap.add_argument("--lora-dual-stream", choices=("stage", "on", "off"), default="stage",
                     help="VLLM_LORA_ENABLE_DUAL_STREAM (LoRA on a second CUDA stream beside the base GEMM); "
                          "stage: as the rollout stage sets it")
@@ -277,7 +278,7 @@ def _lora_kernels(result: dict) -> dict:
 
 
 def report(out: Path, table_path: str | None) -> None:
-    from components.rollout.backends import NVFP4_BACKENDS, choose_backend
+    from components.rollout.backends import NVFP4_BACKENDS, choose_backend, merge_table
 
     results = {}
     for f in sorted(out.glob("results-*.json")):
@@ -299,7 +300,7 @@ def report(out: Path, table_path: str | None) -> None:
     rank = any_r.get("lora_rank", 32)  # results written before lora_rank was recorded ran r32
     lora = f"LoRA r{rank}" if rank else "no LoRA"
     lora += ", sampled-token logprobs" if any_r.get("logprobs") else ", no logprobs"
-    table = {"measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, {lora}, "
+    table = {"gpu": any_r["gpu"], "measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, {lora}, "
                             f"benchmarks/rollout.py, {time.strftime('%Y-%m-%d')}",
              "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()},
              "engine_start_s": {b: r["engine_start_s"] for b, r in results.items()},
@@ -315,8 +316,8 @@ def report(out: Path, table_path: str | None) -> None:
                  if str(c) in bf16 and str(c) in table["tokens_per_second"][best] else "")
         print(f"  c={c}: {best}{ratio}  ({why})")
     if table_path:
-        Path(table_path).write_text(json.dumps(table, indent=1) + "\n")
-        print(f"wrote {table_path}")
+        held = merge_table(Path(table_path), table)
+        print(f"wrote the {any_r['gpu']} table into {table_path} (it holds: {', '.join(t.get('gpu', '?') for t in held)})")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def test_table_file(tmp_path):
     bad.write_text(json.dumps({"measured_on": "x"}))
     with pytest.raises(ConfigError, match="tokens_per_second"):
         load_table(bad)
-    shipped = load_table(TABLE_PATH)  # the measured table the stage ships with
+    shipped = load_table(TABLE_PATH, "NVIDIA H200")  # the measured table the stage ships with
     assert shipped is not None, f"{TABLE_PATH} is missing: run benchmarks/rollout.py --write-table"
     for c in ("1", "16", "64", "256"):
         assert all(c in shipped["tokens_per_second"][b] for b in ("bf16", "marlin")), c
@@ -206,3 +206,30 @@ def test_aqn_touches_the_decoder_rmsnorms_only():
     assert not torch.equal(model.language_model.model.layers[2].post_attention_layernorm.weight, torch.ones(8))
     plain = Multimodal().language_model  # a text-only model: searched as it is
     assert len(noisy_norms(plain)) == 6
+
+
+def test_one_table_per_gpu_model(tmp_path):
+    from components.rollout.backends import load_tables, merge_table
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TABLE))  # the older format: one table at the top level
+    assert load_table(path, "NVIDIA H100 80GB HBM3") == TABLE and len(load_tables(path)) == 1
+    h100 = {"gpu": "NVIDIA H100 80GB HBM3", "measured_on": "NVIDIA H100 80GB HBM3, vLLM 0.26.0",
+            "tokens_per_second": {"bf16": {"1": 120}, "marlin": {"1": 170}, "fused": {"1": 180}}}
+    h200 = dict(TABLE, gpu="NVIDIA H200")
+    merge_table(path, h200)
+    assert load_tables(path) == [h200]  # the untagged table was measured on this model: replaced
+    merge_table(path, h100)
+    assert load_tables(path) == [h200, h100]
+    assert load_table(path, "NVIDIA H100 80GB HBM3") == h100 and load_table(path, "NVIDIA H200") == h200
+    backend, why = choose_backend("auto", 1, True, load_table(path, "NVIDIA H100 80GB HBM3"), "NVIDIA H100 80GB HBM3")
+    assert backend == "fused" and "other hardware" not in why
+    # a GPU without a table of its own gets the first, and the reason says so
+    backend, why = choose_backend("auto", 1, True, load_table(path, "NVIDIA A100-SXM4-80GB"), "NVIDIA A100-SXM4-80GB")
+    assert backend == "marlin" and "other hardware than this NVIDIA A100-SXM4-80GB" in why
+    merge_table(path, dict(h100, tokens_per_second={"marlin": {"1": 175}}))  # a rerun replaces its own model's
+    assert len(load_tables(path)) == 2 and load_table(path, "NVIDIA H100 80GB HBM3")["tokens_per_second"] == {
+        "marlin": {"1": 175}}
+    path.write_text(json.dumps({"tables": [{"gpu": "x"}]}))
+    with pytest.raises(ConfigError, match="tokens_per_second"):
+        load_tables(path)

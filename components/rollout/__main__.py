@@ -120,8 +120,9 @@ def pick_backend(cfg: RolloutConfig, concurrency: int, tokens: int) -> tuple[str
     from components.rollout.backends import choose_backend, load_table
 
     cuda = torch.cuda.is_available()
-    return choose_backend(cfg.nvfp4_backend, concurrency, cuda, load_table() if cuda else None,
-                          torch.cuda.get_device_name() if cuda else "", tokens=tokens)
+    gpu = torch.cuda.get_device_name() if cuda else ""
+    return choose_backend(cfg.nvfp4_backend, concurrency, cuda, load_table(gpu_name=gpu) if cuda else None,
+                          gpu, tokens=tokens)
 
 
 def main(cfg: RolloutConfig) -> None:

@@ -15,7 +15,8 @@ Backends (all serve the same weights: the NVFP4 checkpoint's dequantized values)
   3,094, backend_throughput.json), so ``auto`` picks it there.
 
 ``auto`` picks from the measured table `backend_throughput.json` (written by
-``benchmarks/rollout.py --write-table``), at the nearest measured concurrency (log scale) to
+``benchmarks/rollout.py --write-table``; one table per GPU model, the one of this GPU if it was
+measured, else the first, with a note in the reason), at the nearest measured concurrency (log scale) to
 the task's sequences in flight. When the stage says how many tokens it will generate at most
 and the table has every backend's engine start time, it takes the backend with the shortest
 expected stage time, start + tokens / (tokens/s): each stage run starts its own engine, and
@@ -36,17 +37,41 @@ CHOICES = ("auto",) + NVFP4_BACKENDS
 TABLE_PATH = Path(__file__).with_name("backend_throughput.json")
 
 
-def load_table(path: Path = TABLE_PATH) -> dict | None:
-    """The measured table, or None if there is none (e.g. never benchmarked)."""
+def load_tables(path: Path = TABLE_PATH) -> list[dict]:
+    """Every measured table in the file, one per GPU model (`{"tables": [...]}`; a file holding
+    one table at the top level is read as that one); [] if there is no file."""
     try:
-        table = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        return None
+        return []
     except (OSError, ValueError) as e:
         raise ConfigError(f"backend table {path} is unreadable: {e}") from e
-    if not isinstance(table.get("tokens_per_second"), dict):
-        raise ConfigError(f"backend table {path} has no 'tokens_per_second' mapping")
-    return table
+    tables = data.get("tables") if isinstance(data, dict) and "tables" in data else [data]
+    for t in tables if isinstance(tables, list) else [None]:
+        if not isinstance(t, dict) or not isinstance(t.get("tokens_per_second"), dict):
+            raise ConfigError(f"backend table {path} has a table without a 'tokens_per_second' mapping")
+    return tables
+
+
+def _gpu_of(table: dict) -> str:
+    """The GPU model a table was measured on (older tables name it first in `measured_on`)."""
+    return table.get("gpu") or str(table.get("measured_on", "")).split(",")[0]
+
+
+def load_table(path: Path = TABLE_PATH, gpu_name: str = "") -> dict | None:
+    """The measured table for this GPU model (its `gpu` is `gpu_name`), else the first in the
+    file (choose_backend then says it was measured on other hardware); None if there is none."""
+    tables = load_tables(path)
+    same = [t for t in tables if gpu_name and _gpu_of(t) == gpu_name]
+    return (same or tables or [None])[0]
+
+
+def merge_table(path: Path, table: dict) -> list[dict]:
+    """Write `table` into the file at `path`, replacing the one measured on the same GPU model
+    (`gpu`) and keeping the others; returns what the file now holds."""
+    tables = [t for t in load_tables(path) if _gpu_of(t) != _gpu_of(table)] + [table]
+    Path(path).write_text(json.dumps({"tables": tables}, indent=1) + "\n")
+    return tables
 
 
 def _nearest(measured: list[int], concurrency: int) -> int:
@@ -77,7 +102,8 @@ def choose_backend(requested: str, concurrency: int, cuda: bool, table: dict | N
     at = _nearest(measured, concurrency)
     rates = {b: r[at] for b, r in rows.items() if at in r}
     where = table.get("measured_on", "?")
-    note = "" if not gpu_name or gpu_name in where else f"; measured on other hardware than this {gpu_name}"
+    same = _gpu_of(table) == gpu_name
+    note = "" if not gpu_name or same else f"; measured on other hardware than this {gpu_name}"
     bf16 = tps.get("bf16", {}).get(str(at))
     starts = table.get("engine_start_s") or {}
     if tokens and all(isinstance(starts.get(b), (int, float)) for b in rates):
