@@ -38,15 +38,19 @@ def test_bundled_files_are_complete():
                 assert {"1", "16", "256", "8192"} <= set(by_m), (gpu, kind, slices)
 
 
+def test_the_h100_and_h200_are_bundled():
+    assert {"NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"} <= set(_bundled_gpus())
+
+
+@pytest.mark.parametrize("gpu", _bundled_gpus())
 @pytest.mark.parametrize("module", sorted(QWEN7B))
 @pytest.mark.parametrize("m", [1, 3, 16, 100, 8192])
-def test_vllm_reads_the_bundled_configs(module, m, monkeypatch):
-    """vLLM's get_lora_op_configs, pointed at the bundled folder, returns the tuned entry for
-    the nearest token count (not its defaults)."""
+def test_vllm_reads_the_bundled_configs(gpu, module, m, monkeypatch):
+    """vLLM's get_lora_op_configs, pointed at the bundled folder, returns the tuned entry of
+    this GPU model for the nearest token count (not its defaults)."""
     import torch
     from vllm.lora.ops.triton_ops import utils
 
-    gpu = _bundled_gpus()[0]
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(LORA_KERNEL_CONFIGS))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu.replace("_", " "))
     utils.load_lora_op_config.cache_clear()
