@@ -300,7 +300,8 @@ def report(out: Path, table_path: str | None) -> None:
     rank = any_r.get("lora_rank", 32)  # results written before lora_rank was recorded ran r32
     lora = f"LoRA r{rank}" if rank else "no LoRA"
     lora += ", sampled-token logprobs" if any_r.get("logprobs") else ", no logprobs"
-    table = {"gpu": any_r["gpu"], "measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, {lora}, "
+    table = {"gpu": any_r["gpu"],
+             "measured_on": f"{any_r['gpu']}, vLLM {any_r.get('vllm', '?')}, {any_r['shape']} shape, {lora}, "
                             f"benchmarks/rollout.py, {time.strftime('%Y-%m-%d')}",
              "tokens_per_second": {b: r["tokens_per_second"] for b, r in results.items()},
              "engine_start_s": {b: r["engine_start_s"] for b, r in results.items()},
@@ -317,7 +318,8 @@ def report(out: Path, table_path: str | None) -> None:
         print(f"  c={c}: {best}{ratio}  ({why})")
     if table_path:
         held = merge_table(Path(table_path), table)
-        print(f"wrote the {any_r['gpu']} table into {table_path} (it holds: {', '.join(t.get('gpu', '?') for t in held)})")
+        print(f"wrote the {any_r['gpu']} table into {table_path} "
+              f"(it holds: {', '.join(t.get('gpu', '?') for t in held)})")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ vLLM-shaped fused q/k/v layer with three different shard global scales, served f
 packed 4-bit weights by the project's Triton kernels, against the plugin's own dequantized
 reference. Runs the kernels under TRITON_INTERPRET=1 in a fresh process (the interpreter
 is read when kernels are decorated); every path of the op's config table is taken: the GEMV
-(M = 1), the tensor-core kernel (M ≤ 32) and dequantize + matmul (larger M), eagerly and
+(M = 1), the tensor-core kernel (M ≤ 64) and dequantize + matmul (larger M), eagerly and
 under torch.compile (the op is opaque there, through its fake implementation).
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ def test_config_table_covers_every_row_count(tmp_path, monkeypatch):
 
     assert serving.config_for(1, 4608, 3584, 132)["GEMV"] is True
     assert "GEMV" not in serving.config_for(1, 4608, 3000 + 16, 132)  # K % 128 != 0: tensor cores
-    for m in (2, 16, 17, 32):
+    for m in (2, 16, 17, 32, 33, 64):
         cfg = serving.config_for(m, 4608, 3584, 132)
-        assert cfg["BLOCK_M"] >= m and cfg["SPLIT_K"] >= 1
-    assert serving.config_for(33, 4608, 3584, 132) is None  # dequantize + cuBLAS
+        assert cfg["BLOCK_M"] >= min(m, 32) and cfg["SPLIT_K"] >= 1
+    assert serving.config_for(65, 4608, 3584, 132) is None  # dequantize + cuBLAS
     # more output tiles than SMs: no split; few tiles over a long K: split
     assert serving.config_for(16, 37888, 3584, 132)["SPLIT_K"] == 1
     assert serving.config_for(16, 3584, 18944, 132)["SPLIT_K"] > 1
@@ -52,6 +52,11 @@ def test_measured_table_wins_for_its_shapes(tmp_path, monkeypatch):
     for m in (2, 15, 16):
         assert serving.config_for(m, 4608, 3584, 132) == tc  # the M = 1 GEMV never takes 2 rows
     assert serving.config_for(17, 4608, 3584, 132)["BLOCK_M"] == 32  # beyond the measured: generic
+    wide = dict(tc, BLOCK_M=64)
+    (tmp_path / "t2.json").write_text(json.dumps({"configs": {"4608x3584": [[1, gemv], [16, tc], [128, wide]]}}))
+    monkeypatch.setenv(serving.TABLE_ENV, str(tmp_path / "t2.json"))  # 17-128 rows: the config measured at 128
+    assert serving.config_for(16, 4608, 3584, 132) == tc and serving.config_for(17, 4608, 3584, 132) == wide
+    assert serving.config_for(128, 4608, 3584, 132) == wide and serving.config_for(129, 4608, 3584, 132) is None
     assert serving.config_for(16, 3584, 3584, 132)["BLOCK_K"] == 128  # another shape: generic
     (tmp_path / "bad.json").write_text('{"4608x3584": []}')
     monkeypatch.setenv(serving.TABLE_ENV, str(tmp_path / "bad.json"))
@@ -116,7 +121,7 @@ def _interpreter_check() -> dict:
     bias = torch.randn(sum(widths), generator=gen).bfloat16()
 
     compiled = torch.compile(lambda x, b: kernel.apply_weights(layer, x, b), backend="aot_eager", fullgraph=True)
-    for m in (1, 5, 16, 32, 40):
+    for m in (1, 5, 16, 32, 40, 70):
         x = torch.randn(2, m, K, generator=gen).bfloat16()[0]  # [m, K], strided like a slice
         for b in (None, bias):
             want = x.float() @ w_ref.t() + (0 if b is None else b.float())

@@ -10,9 +10,10 @@ Backends (all serve the same weights: the NVFP4 checkpoint's dequantized values)
   backend on CPUs.
 * ``fused``   – the project's own W4A16 Triton GEMMs on the packed weights
   (`kernels/nvfp4/serving.py`: a GEMV for one sequence, the split-K tensor-core kernel up to
-  32 rows, dequantize + cuBLAS above). Measured on the H200 at 1 and 16 sequences only, where
-  it is the fastest NVFP4 backend since the word decode (232 / 3,418 tok/s vs Marlin's 227 /
-  3,094, backend_throughput.json), so ``auto`` picks it there.
+  64 rows, 128 on the measured 7B shapes, dequantize + cuBLAS above). On the H200 it was
+  measured at 1 and 16 sequences only, where it is the fastest NVFP4 backend since the word
+  decode (232 / 3,418 tok/s vs Marlin's 227 / 3,094); on the H100 at 1-256 sequences, before the
+  tensor-core kernel served more than 32 rows (backend_throughput.json).
 
 ``auto`` picks from the measured table `backend_throughput.json` (written by
 ``benchmarks/rollout.py --write-table``; one table per GPU model, the one of this GPU if it was

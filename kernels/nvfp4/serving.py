@@ -12,7 +12,8 @@ entry wins:
 1. a measured table per weight shape [N, K]: `serving_configs.json` beside this file, or the
    file named by ``QERL_NVFP4_SERVING_CONFIGS``. `benchmarks/nvfp4_gemm_sweep.py
    --serving-table FILE` writes it: per shape, the fastest correct config at each measured M
-   (split-K included), applied to every M up to the next measured one;
+   (split-K included), applied to every M above the measured M before it (a config measured
+   at 64 rows serves 33-64);
 2. `SERVING_CONFIGS`, by input rows only, for shapes nobody measured; its split-K count is
    derived per call from the shape so that the grid fills the SMs.
 
@@ -20,10 +21,11 @@ Both choose among the same kernels (the measured table per shape: on the H200 th
 M = 1 only on the small q/k/v and o shapes):
 
 * M = 1: the CUDA-core GEMV (`gemm._w4a16_gemv_kernel`), when K % its BLOCK_K == 0;
-* M ≤ 16 (and M ≤ 32): the tensor-core kernel, swapped, split-K;
+* M ≤ 64 (≤ 128 on the measured 7B shapes): the tensor-core kernel, swapped, split-K;
 * larger M: Triton dequantize to a transient bf16 Ŵ (one layer at a time), then cuBLAS.
-  At these sizes the GEMM is compute bound and cuBLAS beats the fused kernel
-  (kernels/nvfp4/NOTES.md: 43-50 % of cuBLAS at M = 4096).
+  That writes and reads every layer's bf16 weights in every forward: at M = 64 it took
+  1.5-2.9x the fused kernel's time on an H100, but at large M the GEMM is compute bound and
+  cuBLAS beats the fused kernel (kernels/nvfp4/NOTES.md: 43-50 % of cuBLAS at M = 4096).
 
 Two switches, both off by default: measured on an H100 (kernels/nvfp4/NOTES.md, 2026-12-05
 afternoon) they are correct but gain nothing inside vLLM. ``QERL_NVFP4_PDL=1`` launches the
@@ -53,11 +55,14 @@ SERVING_CONFIGS: list[tuple[int, dict]] = [
     (1, dict(GEMV=True, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)),
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4)),
     (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4)),
+    # measured on an H100 (NOTES.md, 2026-12-06): within 12 % of each 7B shape's best at M = 64, and
+    # 1.5-2.9x faster than dequantize + cuBLAS there; at M = 128 no one config beat that everywhere
+    (64, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=3)),
 ]
 MAX_SPLIT = 8
 TABLE_ENV = "QERL_NVFP4_SERVING_CONFIGS"
 PDL_ENV = "QERL_NVFP4_PDL"  # "1": programmatic dependent launch (gemm._pdl_start); off: slower in vLLM
-MEASURED_KEYS = ("us", "cublas_bf16_us")  # figures stored beside each config, not kernel arguments
+MEASURED_KEYS = ("us", "cublas_bf16_us", "dequant_cublas_us")  # figures beside each config, not kernel arguments
 BUNDLED_TABLE = Path(__file__).with_name("serving_configs.json")
 
 
@@ -94,10 +99,8 @@ def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
 
 def config_for(m: int, n: int, k: int, sms: int) -> Optional[dict]:
     """The forced config for an [m, k] x [n, k]ᵀ forward, or None for dequantize + cuBLAS."""
-    entries = measured_table().get((n, k), [])
-    for i, (rows, cfg) in enumerate(entries):  # measured at M = rows: use it up to the next one
-        upto = entries[i + 1][0] - 1 if i + 1 < len(entries) else rows
-        if m <= upto and not (cfg.get("GEMV") and m != 1):
+    for rows, cfg in measured_table().get((n, k), []):  # measured at M = rows: for every M above the one before
+        if m <= rows and not (cfg.get("GEMV") and m != 1):
             return dict(cfg)
     for rows, cfg in SERVING_CONFIGS:
         if m <= rows:
