@@ -196,6 +196,34 @@ class RunConfig:
                 "split": "eval", "prompts_per_iteration": 0, "aqn_sigma": 0.0, "num_shards": 1, "iteration": iteration}
 
 
+def _store_errors() -> tuple:
+    """What reading the store can raise when it is unreachable or refuses: ours, pyarrow's
+    (OSError) and botocore's unmapped ones."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from components.common.storage import StorageError
+    return StorageError, OSError, BotoCoreError, ClientError
+
+
+def check_chain(cfg: RunConfig, strict: bool) -> None:
+    """A chained run continues from published artifacts (the first run's NVFP4 base and prompts,
+    init_adapter): refuse now if one is missing. strict: the store must be readable (a local
+    run); otherwise (compiling) an unreadable store is only logged."""
+    if not cfg.start_iteration:
+        return
+    from components.common.storage import exists
+    L = RunLayout(cfg.root, cfg.run)
+    try:
+        missing = [u for u in (L.base_nvfp4(), L.prompts(), cfg.init_adapter) if not exists(u)]
+    except _store_errors() as e:
+        if strict:
+            raise
+        log.warning("cannot check the artifacts this chained run continues from (%s)", e)
+        return
+    if missing:
+        raise ConfigError(f"a chained run continues from {missing[0]}, which is not published")
+
+
 def evaluations(cfg: RunConfig) -> list[int]:
     """The iterations whose policy this run evaluates: `cfg.eval_iterations()`, less what a
     chained run's published artifacts make pointless. Its prompts come from the first run, so
@@ -207,30 +235,31 @@ def evaluations(cfg: RunConfig) -> list[int]:
     planned = cfg.eval_iterations()
     if not planned or not cfg.start_iteration:
         return planned
-    from components.common.storage import Artifact, StorageError
+    from components.common.storage import Artifact, parse_uri
     L, first = RunLayout(cfg.root, cfg.run), cfg.start_iteration
     try:
-        eval_prompts = Artifact(L.prompts()).read_json("metrics.json").get("eval")
-        evaluated = L.versions(L.eval_rewards(first))
-    except StorageError as e:
+        prompts = Artifact(L.prompts())
+        eval_prompts = prompts.read_json("metrics.json").get("eval")
+        evaluated = L.versions(L.eval_rewards(first)) and L.versions(L.eval_rollouts(first))
+        rollouts = L.latest(L.eval_rollouts(first)) if evaluated else ""
+        adapter = Artifact(rollouts).manifest.get("config", {}).get("adapter") if evaluated else None
+    except _store_errors() as e:
         log.warning("cannot read the run's prompts and evaluations (%s): planning the evaluations from the config; "
                     "the policy of iteration %d is left to the run before", e, first)
         return [i for i in planned if i != first]
     if eval_prompts == 0:
         log.warning("the prompts of %s hold no eval split (made with eval_fraction %s): nothing is evaluated",
-                    cfg.run, Artifact(L.prompts()).manifest.get("config", {}).get("eval_fraction"))
+                    cfg.run, prompts.manifest.get("config", {}).get("eval_fraction"))
         return []
-    if evaluated:
-        rollouts = L.latest(L.eval_rollouts(first))
-        adapter = Artifact(rollouts).manifest.get("config", {}).get("adapter")
-        if adapter == cfg.init_adapter:
-            log.info("the policy of iteration %d (%s) was evaluated by the run before: %s", first, adapter, rollouts)
-        else:
-            log.warning("the evaluation of iteration %d (%s) is of adapter %s, not of init_adapter %s; this run does "
-                        "not redo it (python -m components.rollout --split eval … evaluates any adapter)",
-                        first, rollouts, adapter or "(none)", cfg.init_adapter)
-        return [i for i in planned if i != first]
-    return planned
+    if not evaluated:
+        return planned
+    if adapter and parse_uri(adapter).uri == parse_uri(cfg.init_adapter).uri:
+        log.info("the policy of iteration %d (%s) was evaluated by the run before: %s", first, adapter, rollouts)
+    else:
+        log.warning("the evaluation of iteration %d (%s) is of adapter %s, not of init_adapter %s; this run does "
+                    "not redo it (python -m components.rollout --split eval … evaluates any adapter)",
+                    first, rollouts, adapter or "(none)", cfg.init_adapter)
+    return [i for i in planned if i != first]
 
 
 def load_run_config(path: str | None, **overrides) -> RunConfig:
@@ -521,8 +550,8 @@ def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, give
             uri = L.latest(L.rewards(iteration))
             if Artifact(uri).manifest.get("stage") == "reward":
                 raise ConfigError(f"{uri} was scored by the built-in reward, but the run config names reward_component "
-                                  f"{cfg.reward_component}: rerun without it to repeat the built-in reward, or pass "
-                                  "--from-config to score with the custom one")
+                                  f"{cfg.reward_component}: remove reward_component from the run config to repeat "
+                                  "the built-in reward, or pass --from-config to score with the custom one")
         log.info("rerun reward: a custom reward takes its config from the run config")
         return given
     try:
@@ -738,11 +767,7 @@ def cmd_run(cfg: RunConfig) -> None:
     local.init(runner=local.SubprocessRunner(use_venv=False),
                pipeline_root=str(Path(layout.prefix if "://" not in layout.prefix else ROOT / "runs") / ".kfp"),
                raise_on_error=True)
-    if cfg.start_iteration:
-        from components.common.storage import exists
-        for uri in (layout.base_nvfp4(), layout.prompts(), cfg.init_adapter):
-            if not exists(uri):
-                raise ConfigError(f"a chained run continues from {uri}, which is not published")
+    check_chain(cfg, strict=True)
     log.info("running %d iteration(s) of %s locally; artifacts under %s", cfg.iterations, cfg.run, layout.prefix)
     evals = evaluations(cfg)
     log.info("evaluating on the eval split: %s", ", ".join(f"the policy of iteration {i}" for i in evals)
@@ -766,6 +791,7 @@ def cmd_compile(cfg: RunConfig, output: str) -> None:
     from kfp import compiler
 
     _require_shared_root(cfg)
+    check_chain(cfg, strict=False)
     compiler.Compiler().compile(build_pipeline(cfg, "cluster"), package_path=output)
     log.info("compiled %d iteration(s) of %s to %s", cfg.iterations, cfg.run, output)
 

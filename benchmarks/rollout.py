@@ -230,8 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=400, help="per backend: skip concurrencies after this")
     ap.add_argument("--out", default="/tmp/qerl-rollout-bench", help="work dir; results go to results-*.json")
     ap.add_argument("--write-table", nargs="?", const="components/rollout/backend_throughput.json", default=None,
-                    help="save the merged figures (all results-*.json in --out) as the stage's measured table for "
-                         "this GPU model (tables of other GPUs in the file are kept)")
+                    help="merge the figures (all results-*.json in --out) into the stage's measured table of this "
+                         "GPU model: the backends and concurrencies measured replace theirs, the rest stays")
     ap.add_argument("--lora-dual-stream", choices=("stage", "on", "off"), default="stage",
                     help="VLLM_LORA_ENABLE_DUAL_STREAM (LoRA on a second CUDA stream beside the base GEMM); "
                          "stage: as the rollout stage sets it")
@@ -297,6 +297,10 @@ def report(out: Path, table_path: str | None) -> None:
         print(f"| {b} | {', '.join(r['linear_kernels']) or 'none'} | {r['weight_gib']} | {r['engine_start_s']} | "
               + " | ".join(cells) + " |")
     any_r = next(iter(results.values()))
+    gpus = {r["gpu"] for r in results.values()}
+    if len(gpus) > 1 and table_path:
+        raise SystemExit(f"{out} holds results of several GPUs ({', '.join(sorted(gpus))}): one table is one GPU "
+                         "model; give --out a folder of one machine's results")
     rank = any_r.get("lora_rank", 32)  # results written before lora_rank was recorded ran r32
     lora = f"LoRA r{rank}" if rank else "no LoRA"
     lora += ", sampled-token logprobs" if any_r.get("logprobs") else ", no logprobs"

@@ -350,10 +350,10 @@ def _interpreter_check() -> dict:
 
     q = make_weight(144, 1024, 123)
     w64 = ref.dequantize(*q, dtype=torch.float32).double()
-    xs = {m: torch.randn(m, 1024, generator=gen).bfloat16() for m in (1, 16)}
+    xs = {m: torch.randn(m, 1024, generator=gen).bfloat16() for m in (1, 16, 32, 64, 128)}
     want_ref = {m: gemm.reference_linear(x, *q) for m, x in xs.items()}
     seen = set()  # the interpreter ignores warps and stages: each distinct computation once
-    for name in ("gemv", "tc-reg", "tc-m1", "tc-m16", "tc-split", "tc-deep"):  # tc-reg first: maxnreg passes
+    for name in ("gemv", "tc-reg", "tc-m1", "tc-m16", "tc-split", "tc-deep", "tc-m64"):  # tc-reg first: maxnreg
         for m, cfg in sweep.grid(name):
             key = (m, *sorted((k, v) for k, v in cfg.items() if k not in ("num_warps", "num_stages", "maxnreg")))
             if key in seen:
@@ -399,3 +399,26 @@ def _interpreter_check() -> dict:
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-check"]:
     print(json.dumps(_interpreter_check()))
+
+
+def test_sweep_merges_its_serving_table(tmp_path):
+    """nvfp4_gemm_sweep.py --serving-table: a config enters where it beats what the serving op
+    would run without it (cuBLAS bf16 up to 32 rows, dequantize + cuBLAS above), and earlier
+    entries of other (shape, M) stay."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import nvfp4_gemm_sweep as sweep
+
+    path = tmp_path / "t.json"
+    h200 = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SWAP_AB": True, "SPLIT_K": 8, "us": 9.4}
+    path.write_text(json.dumps({"measured_on": "NVIDIA H200, 2026-12-04", "configs": {"64x1024": [[16, h200]]}}))
+    tc = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "SWAP_AB": True, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+    rows = [dict(shape="s", M=m, kernel=k, us=us) for m in (64, 128)
+            for k, us in (("cublas_bf16", 10.0), ("dequant_cublas", 30.0))]
+    rows += [dict(shape="s", M=64, kernel="nvfp4", rel_err=1e-3, us=18.0, **tc),  # > cuBLAS, < dequant + cuBLAS
+             dict(shape="s", M=64, kernel="nvfp4", rel_err=0.5, us=1.0, **dict(tc, SPLIT_K=1)),  # wrong: never taken
+             dict(shape="s", M=128, kernel="nvfp4", rel_err=1e-3, us=31.0, **tc)]  # slower than its fallback
+    sweep.write_serving_table(path, rows, [("s", 64, 1024)], [64, 128])
+    data = json.loads(path.read_text())
+    want = dict(tc, us=18.0, cublas_bf16_us=10.0, dequant_cublas_us=30.0)
+    assert data["configs"]["64x1024"] == [[16, h200], [64, want]]
+    assert data["measured_on"].startswith("NVIDIA H200, 2026-12-04; ") and "(M = 64, 128)" in data["measured_on"]

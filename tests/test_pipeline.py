@@ -111,7 +111,9 @@ def _eval_tasks(spec: dict) -> list[str]:
                   if t["taskInfo"]["name"].startswith("eval "))
 
 
-def test_compiled_evaluations(tmp_path, caplog):
+def test_compiled_evaluations(tmp_path, caplog, monkeypatch):
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)  # the store stays unreadable here (a chained case below)
     spec, _ = compiled(tmp_path, iterations=5, eval={"every": 2, "max_tokens": 64})
     assert _eval_tasks(spec) == [f"eval {k} {i}" for k in ("reward", "rollout") for i in (0, 2, 4, 5)]
     roll = next(t for t in spec["root"]["dag"]["tasks"].values() if t["taskInfo"]["name"] == "eval rollout 2")
@@ -125,6 +127,13 @@ def test_compiled_evaluations(tmp_path, caplog):
     assert "planning the evaluations from the config" in caplog.text
     with pytest.raises(ConfigError, match="eval: split cannot be set"):
         pipeline.load_run_config(None, eval={"split": "train"})
+
+
+def test_compiling_a_chained_run_checks_what_it_continues_from(s3_bucket, tmp_path):
+    cfg = pipeline.load_run_config(None, root=f"{s3_bucket}/runs", run="r", start_iteration=2,
+                                   init_adapter=f"{s3_bucket}/runs/r/iter-0001/adapter")
+    with pytest.raises(ConfigError, match="continues from s3://.*/runs/r/base-nvfp4, which is not published"):
+        pipeline.cmd_compile(cfg, str(tmp_path / "p.yaml"))
 
 
 def test_a_chained_run_evaluates_what_the_run_before_did_not(tmp_path, caplog):

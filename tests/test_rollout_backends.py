@@ -96,6 +96,10 @@ def test_table_file(tmp_path):
     assert set(shipped["engine_start_s"]) >= {"marlin", "humming", "dequant"}
     assert choose_backend("auto", 64, True, shipped, tokens=1_000_000)[1].startswith(
         choose_backend("auto", 64, True, shipped, tokens=1_000_000)[0] + ": about")
+    h100 = "NVIDIA H100 80GB HBM3"  # its own table: up to 64 sequences a backend that reads the 4-bit weights
+    for c in (1, 16, 64):
+        backend, why = choose_backend("auto", c, True, load_table(TABLE_PATH, h100), h100, tokens=100_000)
+        assert backend in ("marlin", "fused") and "other hardware" not in why, (c, backend)
 
 
 def test_rollout_config_rejects_an_unknown_backend():
@@ -217,8 +221,10 @@ def test_one_table_per_gpu_model(tmp_path):
     h100 = {"gpu": "NVIDIA H100 80GB HBM3", "measured_on": "NVIDIA H100 80GB HBM3, vLLM 0.26.0",
             "tokens_per_second": {"bf16": {"1": 120}, "marlin": {"1": 170}, "fused": {"1": 180}}}
     h200 = dict(TABLE, gpu="NVIDIA H200")
-    merge_table(path, h200)
-    assert load_tables(path) == [h200]  # the untagged table was measured on this model: replaced
+    merge_table(path, h200)  # the untagged table was measured on this model: merged into, now tagged
+    [only] = load_tables(path)
+    assert only["gpu"] == "NVIDIA H200" and only["tokens_per_second"] == TABLE["tokens_per_second"]
+    h200 = only
     merge_table(path, h100)
     assert load_tables(path) == [h200, h100]
     assert load_table(path, "NVIDIA H100 80GB HBM3") == h100 and load_table(path, "NVIDIA H200") == h200
@@ -227,9 +233,15 @@ def test_one_table_per_gpu_model(tmp_path):
     # a GPU without a table of its own gets the first, and the reason says so
     backend, why = choose_backend("auto", 1, True, load_table(path, "NVIDIA A100-SXM4-80GB"), "NVIDIA A100-SXM4-80GB")
     assert backend == "marlin" and "other hardware than this NVIDIA A100-SXM4-80GB" in why
-    merge_table(path, dict(h100, tokens_per_second={"marlin": {"1": 175}}))  # a rerun replaces its own model's
-    assert len(load_tables(path)) == 2 and load_table(path, "NVIDIA H100 80GB HBM3")["tokens_per_second"] == {
-        "marlin": {"1": 175}}
+    # a rerun of some backends and concurrencies replaces those figures of its own model's table only
+    merge_table(path, dict(h100, measured_on="NVIDIA H100 80GB HBM3, rerun", engine_start_s={"marlin": 60},
+                           tokens_per_second={"marlin": {"1": 175, "64": 7000}}))
+    merged = load_table(path, "NVIDIA H100 80GB HBM3")
+    assert len(load_tables(path)) == 2 and merged["tokens_per_second"] == {
+        "bf16": {"1": 120}, "marlin": {"1": 175, "64": 7000}, "fused": {"1": 180}}
+    assert merged["engine_start_s"] == {"marlin": 60}
+    assert merged["measured_on"].endswith("then marlin: NVIDIA H100 80GB HBM3, rerun")
+    assert load_table(path, "NVIDIA H200") == h200
     path.write_text(json.dumps({"tables": [{"gpu": "x"}]}))
     with pytest.raises(ConfigError, match="tokens_per_second"):
         load_tables(path)

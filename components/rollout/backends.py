@@ -10,7 +10,7 @@ Backends (all serve the same weights: the NVFP4 checkpoint's dequantized values)
   backend on CPUs.
 * ``fused``   – the project's own W4A16 Triton GEMMs on the packed weights
   (`kernels/nvfp4/serving.py`: a GEMV for one sequence, the split-K tensor-core kernel up to
-  64 rows, 128 on the measured 7B shapes, dequantize + cuBLAS above). On the H200 it was
+  64 rows, 128 on the 7B gate_up and down shapes, dequantize + cuBLAS above). On the H200 it was
   measured at 1 and 16 sequences only, where it is the fastest NVFP4 backend since the word
   decode (232 / 3,418 tok/s vs Marlin's 227 / 3,094); on the H100 at 1-256 sequences, before the
   tensor-core kernel served more than 32 rows (backend_throughput.json).
@@ -68,9 +68,24 @@ def load_table(path: Path = TABLE_PATH, gpu_name: str = "") -> dict | None:
 
 
 def merge_table(path: Path, table: dict) -> list[dict]:
-    """Write `table` into the file at `path`, replacing the one measured on the same GPU model
-    (`gpu`) and keeping the others; returns what the file now holds."""
-    tables = [t for t in load_tables(path) if _gpu_of(t) != _gpu_of(table)] + [table]
+    """Write the figures of `table` into the file at `path`: into the table of the same GPU model
+    (`gpu`) if there is one, where each backend's measured concurrencies, engine start and LoRA
+    kernel settings replace the old ones and everything else stays (its `measured_on` gets
+    this run's appended); tables of other GPUs stay as they are. Returns what the file holds."""
+    tables, gpu = load_tables(path), _gpu_of(table)
+    old = next((t for t in tables if _gpu_of(t) == gpu), None)
+    if old is not None:
+        merged = {**old, "gpu": gpu, "measured_on": f"{old.get('measured_on', '?')}; then "
+                  f"{', '.join(sorted(table['tokens_per_second']))}: {table.get('measured_on', '?')}"}
+        for key in ("tokens_per_second", "engine_start_s", "lora_kernels"):
+            merged[key] = dict(old.get(key) or {})
+        for b, tps in table["tokens_per_second"].items():
+            merged["tokens_per_second"][b] = {**merged["tokens_per_second"].get(b, {}), **tps}
+            for key in ("engine_start_s", "lora_kernels"):
+                if b in (table.get(key) or {}):
+                    merged[key][b] = table[key][b]
+        table = merged
+    tables = [t for t in tables if _gpu_of(t) != gpu] + [table]
     Path(path).write_text(json.dumps({"tables": tables}, indent=1) + "\n")
     return tables
 

@@ -11,8 +11,8 @@ entry wins:
 
 1. a measured table per weight shape [N, K]: `serving_configs.json` beside this file, or the
    file named by ``QERL_NVFP4_SERVING_CONFIGS``. `benchmarks/nvfp4_gemm_sweep.py
-   --serving-table FILE` writes it: per shape, the fastest correct config at each measured M
-   (split-K included), applied to every M above the measured M before it (a config measured
+   --serving-table FILE` merges into it: per shape, the fastest correct config at each measured
+   M that beats the fallback (split-K included), applied to every M above the measured M before it (a config measured
    at 64 rows serves 33-64);
 2. `SERVING_CONFIGS`, by input rows only, for shapes nobody measured; its split-K count is
    derived per call from the shape so that the grid fills the SMs.
@@ -21,7 +21,7 @@ Both choose among the same kernels (the measured table per shape: on the H200 th
 M = 1 only on the small q/k/v and o shapes):
 
 * M = 1: the CUDA-core GEMV (`gemm._w4a16_gemv_kernel`), when K % its BLOCK_K == 0;
-* M ≤ 64 (≤ 128 on the measured 7B shapes): the tensor-core kernel, swapped, split-K;
+* M ≤ 64 (≤ 128 on the 7B gate_up and down shapes, measured): the tensor-core kernel, swapped, split-K;
 * larger M: Triton dequantize to a transient bf16 Ŵ (one layer at a time), then cuBLAS.
   That writes and reads every layer's bf16 weights in every forward: at M = 64 it took
   1.5-2.9x the fused kernel's time on an H100, but at large M the GEMM is compute bound and
@@ -35,9 +35,11 @@ prefetching its weight rows to L2 until the previous kernel's output is ready:
 two at a time (`gemm._SCALE_PAIR_ASM`, 250 → 241 SASS instructions per K step): 0.7 % faster
 on the GEMMs alone, within the noise in vLLM.
 
-Status: correct on an H200 at every vLLM 7B shape and M = 1-300, eagerly, in CUDA graphs and
-under torch.compile (`benchmarks/nvfp4_serving_check.py`); inside vLLM 0.26 it serves a 7B
-shape at 214 / 3,100 tok/s for 1 / 16 sequences, Marlin 222 / 3,130 (NOTES.md, 2026-12-04).
+Status (before the 32- to 128-row configs of 2026-12-06, which were checked by the sweep at
+M = 32, 64 and 128 on an H100 only): correct on an H200 at every vLLM 7B shape and M = 1-300,
+eagerly, in CUDA graphs and under torch.compile (`benchmarks/nvfp4_serving_check.py`). Inside
+vLLM 0.26 it serves a 7B shape at 232 / 3,418 tok/s for 1 / 16 sequences on an H200 (NOTES.md,
+2026-12-04, later) and 206 / 3,001 on an H100 (README, 2026-12-06).
 """
 from __future__ import annotations
 
@@ -55,8 +57,8 @@ SERVING_CONFIGS: list[tuple[int, dict]] = [
     (1, dict(GEMV=True, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)),
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4)),
     (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4)),
-    # measured on an H100 (NOTES.md, 2026-12-06): within 12 % of each 7B shape's best at M = 64, and
-    # 1.5-2.9x faster than dequantize + cuBLAS there; at M = 128 no one config beat that everywhere
+    # measured on an H100 (NOTES.md, 2026-12-06): within 13 % of each 7B shape's best at M = 64, and
+    # 1.4-2.9x faster than dequantize + cuBLAS there; at M = 128 no one config beat that everywhere
     (64, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=3)),
 ]
 MAX_SPLIT = 8

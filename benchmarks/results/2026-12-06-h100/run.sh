@@ -1,5 +1,5 @@
-# Device calls of 2026-12-06 (H100): `bash devrun/h100.sh tune` then `BACKENDS=bf16,fused bash devrun/h100.sh roll`
-# and `BACKENDS=marlin,dequant bash devrun/h100.sh roll`. Needs the vLLM kit under /tmp/vk (../shared/tools/gpu-vllm).
+# Device calls of 2026-12-06 (H100), run from the project root as devrun/h100.sh: see README.md beside this file
+# for the two commands. Needs the vLLM kit under /tmp/vk (../shared/tools/gpu-vllm).
 source /tmp/vk/c1/setup.sh > /tmp/setup.log 2>&1 || { tail -20 /tmp/setup.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv > $OUT/gpu.txt
