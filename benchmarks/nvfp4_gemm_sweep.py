@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench_cudagraph
 
-    from kernels.nvfp4 import gemm, global_scale, quantize
+    from kernels.nvfp4 import gemm, global_scale, quantize, triton_kernels
 
     if not torch.cuda.is_available():
         print("nvfp4_gemm_sweep: needs a CUDA GPU", file=sys.stderr)
@@ -189,16 +189,14 @@ def main(argv=None) -> int:
             rows.append(dict(shape=name, N=N, K=K, M=M, kernel="cublas_bf16", us=round(t * 1e3, 2),
                              pct_bw=round(100 * moved / (t * 1e-3) / args.bandwidth, 1)))
             print(json.dumps(rows[-1]), flush=True)
+            moved = N * K * 9 // 16 + 2 * M * (N + K)
             if M > 32:  # what the serving op runs without a tensor-core config: dequantize, then cuBLAS
-                from kernels.nvfp4 import triton_kernels
                 t = do_bench_cudagraph(lambda: [torch.matmul(x, triton_kernels.dequantize(*q).t())
                                                 for x, q in zip(xs, qs)], rep=args.rep, return_mode="median") / len(qs)
-                packed_bytes = N * K * 9 // 16 + 2 * M * (N + K)
                 rows.append(dict(shape=name, N=N, K=K, M=M, kernel="dequant_cublas", us=round(t * 1e3, 2),
-                                 pct_bw=round(100 * packed_bytes / (t * 1e-3) / args.bandwidth, 1)))
+                                 pct_bw=round(100 * moved / (t * 1e-3) / args.bandwidth, 1)))
                 print(json.dumps(rows[-1]), flush=True)
             want = gemm.reference_linear(xs[0], *qs[0]).float()
-            moved = N * K * 9 // 16 + 2 * M * (N + K)
             for m, cfg in cases:
                 if m != M:
                     continue
@@ -240,10 +238,9 @@ def main(argv=None) -> int:
     print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s. Best correct configs (rel. error < 1e-2):")
     for name, N, K in shapes:
         for M in ms:
-            cb = next(r for r in rows if r["shape"] == name and r["M"] == M and r["kernel"] == "cublas_bf16")
+            cb, dq = baseline(rows, name, M, "cublas_bf16"), baseline(rows, name, M, "dequant_cublas")
             ok = sorted((r for r in rows if r["shape"] == name and r["M"] == M and r["kernel"] == "nvfp4"
                          and r.get("rel_err", 1) < 1e-2), key=lambda r: r["us"])
-            dq = next((r for r in rows if (r["shape"], r["M"], r["kernel"]) == (name, M, "dequant_cublas")), None)
             print(f"{name} {N}x{K} M={M}: cuBLAS bf16 {cb['us']} us ({cb['pct_bw']} % of BW)"
                   + (f", dequantize + cuBLAS {dq['us']} us" if dq else ""))
             for r in ok[:4]:
@@ -264,6 +261,11 @@ def runnable(row: dict) -> bool:
     return not any(v for k, v in row.items() if k not in CONFIG_KEYS and k not in ROW_KEYS)
 
 
+def baseline(rows: list, shape: str, m: int, kernel: str) -> dict | None:
+    """The row of a yardstick kernel (cublas_bf16, dequant_cublas) at one shape and M, if timed."""
+    return next((r for r in rows if (r["shape"], r["M"], r["kernel"]) == (shape, m, kernel)), None)
+
+
 def write_serving_table(path: Path, rows: list, shapes, ms) -> None:
     """Per shape and M, the fastest correct config (the input permute counted) that beats what
     the serving op would run without it: cuBLAS on bf16 weights as the yardstick up to 32 rows,
@@ -277,8 +279,7 @@ def write_serving_table(path: Path, rows: list, shapes, ms) -> None:
     written = 0
     for name, N, K in shapes:
         for M in ms:
-            cb = next(r for r in rows if (r["shape"], r["M"], r["kernel"]) == (name, M, "cublas_bf16"))
-            dq = next((r for r in rows if (r["shape"], r["M"], r["kernel"]) == (name, M, "dequant_cublas")), None)
+            cb, dq = baseline(rows, name, M, "cublas_bf16"), baseline(rows, name, M, "dequant_cublas")
             bar = dq["us"] if dq else cb["us"]
             ok = [r for r in rows if (r["shape"], r["M"], r["kernel"]) == (name, M, "nvfp4")
                   and not r.get("kernel_only") and r.get("rel_err", 1) < 1e-2 and r["us"] < bar]

@@ -47,10 +47,10 @@ def load_tables(path: Path = TABLE_PATH) -> list[dict]:
         return []
     except (OSError, ValueError) as e:
         raise ConfigError(f"backend table {path} is unreadable: {e}") from e
-    tables = data.get("tables") if isinstance(data, dict) and "tables" in data else [data]
-    for t in tables if isinstance(tables, list) else [None]:
-        if not isinstance(t, dict) or not isinstance(t.get("tokens_per_second"), dict):
-            raise ConfigError(f"backend table {path} has a table without a 'tokens_per_second' mapping")
+    tables = data["tables"] if isinstance(data, dict) and "tables" in data else [data]
+    if not isinstance(tables, list) or not all(isinstance(t, dict) and isinstance(t.get("tokens_per_second"), dict)
+                                               for t in tables):
+        raise ConfigError(f"backend table {path} has a table without a 'tokens_per_second' mapping")
     return tables
 
 

@@ -12,8 +12,8 @@ entry wins:
 1. a measured table per weight shape [N, K]: `serving_configs.json` beside this file, or the
    file named by ``QERL_NVFP4_SERVING_CONFIGS``. `benchmarks/nvfp4_gemm_sweep.py
    --serving-table FILE` merges into it: per shape, the fastest correct config at each measured
-   M that beats the fallback (split-K included), applied to every M above the measured M before it (a config measured
-   at 64 rows serves 33-64);
+   M that beats the fallback (split-K included), applied to every M above the measured M
+   before it (a config measured at 64 rows serves 33-64);
 2. `SERVING_CONFIGS`, by input rows only, for shapes nobody measured; its split-K count is
    derived per call from the shape so that the grid fills the SMs.
 
@@ -21,7 +21,8 @@ Both choose among the same kernels (the measured table per shape: on the H200 th
 M = 1 only on the small q/k/v and o shapes):
 
 * M = 1: the CUDA-core GEMV (`gemm._w4a16_gemv_kernel`), when K % its BLOCK_K == 0;
-* M ≤ 64 (≤ 128 on the 7B gate_up and down shapes, measured): the tensor-core kernel, swapped, split-K;
+* M ≤ 64 (≤ 128 on the 7B gate_up and down shapes, measured): the tensor-core kernel,
+  swapped, split-K;
 * larger M: Triton dequantize to a transient bf16 Ŵ (one layer at a time), then cuBLAS.
   That writes and reads every layer's bf16 weights in every forward: at M = 64 it took
   1.5-2.9x the fused kernel's time on an H100, but at large M the GEMM is compute bound and
