@@ -3,6 +3,7 @@
     python benchmarks/nvfp4_gemm_ptx.py --config '{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"SPLIT_K":4,"num_warps":4,"num_stages":4}'
     python benchmarks/nvfp4_gemm_ptx.py --dx --config '...' --out /tmp/k    # also keep TTGIR / PTX
     python benchmarks/nvfp4_gemm_ptx.py --config '{"GEMV":true,"BLOCK_N":64,"BLOCK_K":128,"num_warps":8}'
+    python benchmarks/nvfp4_gemm_ptx.py --config '{"DECODE":true,"RW":1,"KV":1,"MT":8,"num_warps":4}'  # Gluon
 
 Per config it prints registers, spill bytes, shared memory, the wgmma count and the mix of
 memory instructions in the PTX (byte vs vector shared-memory loads, cp.async, shuffles,
@@ -70,6 +71,22 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1 if cfg.get("GEMV") else 3)
     regs = {"maxnreg": cfg.pop("maxnreg")} if "maxnreg" in cfg else {}  # a cap for ptxas, as at launch
     cfg.pop("SPLIT_K", None)  # a runtime argument
+    if cfg.pop("DECODE", False):  # the Gluon mma.sync kernel (kernels/nvfp4/decode_gemm.py)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from kernels.nvfp4 import decode_gemm
+        fn = decode_gemm._decode_kernel
+        consts = {"RW": cfg["RW"], "KV": cfg["KV"], "MT": cfg.get("MT", 8), "HAS_BIAS": False,
+                  "G_PER_ROW": cfg.get("G_PER_ROW", False)}
+        ptrs = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+        names = fn.arg_names
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
+        div16 = [n for n in names if n in ptrs or n in ("N", "K", "stride_xm", "stride_w", "stride_s")]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+        src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}),
+                             out, "_".join(f"{v}" for v in ("decode", *consts.values(), warps)))
     bk = cfg["BLOCK_K"]
     if cfg.pop("GEMV", False):  # the CUDA-core forward for one input row
         fn = gemm._w4a16_gemv_kernel
@@ -91,6 +108,14 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages, **regs}
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return _ptxas_report(k, out, "_".join(f"{v}" for v in (("dx" if trans_w else "fwd"), *cfg.values(), warps, stages)))
+
+
+def _ptxas_report(k, out: Path | None, tag: str) -> dict:
+    """What ptxas (sm_90a) and the PTX / SASS say about one compiled kernel; its TTGIR, PTX and
+    cubin also go to `out` when given."""
+    import triton
+
     ptx = k.asm["ptx"]
     # the newest ptxas triton ships: an older one may not know the PTX version triton emits
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
@@ -105,7 +130,6 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     info = r.stderr
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        tag = "_".join(f"{v}" for v in (("dx" if trans_w else "fwd"), *cfg.values(), warps, stages))
         (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
         (out / f"{tag}.ptx").write_text(ptx)
         (out / f"{tag}.cubin").write_bytes(k.asm["cubin"])  # cuobjdump -sass FILE for the SASS
@@ -113,7 +137,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     loop = sass_main_loop(k.asm["cubin"], bin_dir)
     return {"registers": num(r"Used (\d+) registers"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
             "sass_loop_instructions": loop["instructions"], "sass_loop_ops": loop["ops"],
-            "shared_bytes": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+            "shared_bytes": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "fma_f32": ptx.count("fma.rn.f32"),
             "memory_instructions": dict(sorted(collections.Counter(re.findall(MEM, ptx)).items()))}
 
@@ -124,7 +148,8 @@ def main() -> int:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--config", type=json.loads, action="append", required=True,
                     help="kernel config as JSON (BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages, "
-                         "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K); "
+                         "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K; or DECODE: true "
+                         "with RW, KV, MT (8 or 16 input rows), num_warps); "
                          "repeat for several")
     ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
     ap.add_argument("--out", type=Path, help="also write each config's TTGIR, PTX and cubin here")

@@ -24,6 +24,9 @@ Grids (`--grid`, several allowed):
   tc-m64   the tensor-core kernel at M = 32, 64 and 128 (32- and 64-row tiles), against
            dequantize + cuBLAS (what `fused` ran above 32 rows until 2026-12-06: 0.46x bf16 in
            vLLM at 64 sequences on an H100)
+  decode   the Gluon mma.sync kernel (`decode_gemm`, no shared memory in its loop) at M = 1, 8
+           and 16: 16-row groups per warp (RW), 128-code chunks per step (KV), warps, split
+  serving  the serving table's configs at up to 16 rows, as they are: the yardstick for decode
 
 Shapes (`--shapes`): vllm-7b (default: Qwen2.5-7B as vLLM runs it, merged qkv and gate_up),
 learner-7b (the separate projections), or NxK entries.
@@ -107,8 +110,21 @@ def grid(name: str) -> list[tuple[int, dict]]:
                 seen.add(key)
                 for pairs in (True, False):
                     out.append((m, dict(c, SCALE_PAIRS=pairs)))
+    elif name == "decode":  # the Gluon mma.sync kernel (kernels/nvfp4/decode_gemm.py) at decode sizes
+        for m, rw, kv, warps, split in itertools.product((1, 8, 16), (1, 2), (1, 2), (4, 8), (1, 2, 4, 8)):
+            out.append((m, dict(DECODE=True, RW=rw, KV=kv, SPLIT_K=split, num_warps=warps)))
+    elif name == "serving":  # what the serving table runs now at up to 16 rows: the decode grid's yardstick
+        from kernels.nvfp4 import serving
+        seen = set()
+        for entries in serving.measured_table().values():
+            for m, c in entries:
+                c = {k: v for k, v in c.items() if k not in serving.MEASURED_KEYS}
+                if m <= 16 and (key := json.dumps([m, c], sort_keys=True)) not in seen:
+                    seen.add(key)
+                    out.append((m, c))
     else:
-        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-reg, tc-deep, tc-m64, ab-pairs")
+        raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-reg, tc-deep, tc-m64, ab-pairs, "
+                         "decode, serving")
     return out
 
 
@@ -251,7 +267,7 @@ def main(argv=None) -> int:
 
 
 CONFIG_KEYS = ("GEMV", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "SPLIT_K", "num_warps", "num_stages",
-               "maxnreg", "A_PREPERM", "EVICT_W", "SCALE_PAIRS")
+               "maxnreg", "A_PREPERM", "EVICT_W", "SCALE_PAIRS", "DECODE", "RW", "KV")
 ROW_KEYS = ("shape", "N", "K", "M", "kernel", "kernel_only", "us", "pct_bw", "rel_err", "error")
 
 

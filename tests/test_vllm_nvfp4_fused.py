@@ -64,6 +64,36 @@ def test_measured_table_wins_for_its_shapes(tmp_path, monkeypatch):
         serving.config_for(1, 4608, 3584, 132)
 
 
+def test_decode_kernel_configs_only_where_they_can_run(tmp_path, monkeypatch):
+    """The Gluon decode kernel (kernels/nvfp4/decode_gemm.py) runs on CUDA GPUs only and needs
+    N a multiple of its rows and K of its K step: elsewhere the next entry serves."""
+    from kernels.nvfp4 import serving
+
+    dec = dict(DECODE=True, RW=2, KV=2, SPLIT_K=2, num_warps=4)  # 128 rows, K step 256
+    tc = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, SPLIT_K=4, num_warps=4, num_stages=4)
+    (tmp_path / "t.json").write_text(json.dumps({"configs": {
+        "4608x3584": [[1, dict(dec, us=5.0)], [16, dict(dec, us=9.0)], [32, tc]],
+        "4608x3712": [[16, dec], [32, tc]],  # 3712 % 256 != 0
+        "4624x3584": [[16, dec], [32, tc]]}}))  # 4624 % 128 != 0
+    monkeypatch.setenv(serving.TABLE_ENV, str(tmp_path / "t.json"))
+    assert serving.config_for(1, 4608, 3584, 132) == dec
+    assert serving.config_for(16, 4608, 3584, 132) == dec
+    assert serving.config_for(17, 4608, 3584, 132) == tc  # beyond 16 rows: never the decode kernel
+    assert serving.config_for(1, 4608, 3584, 132, decode=False) == tc  # CPU / interpreter
+    assert serving.config_for(8, 4608, 3712, 132) == tc
+    assert serving.config_for(8, 4624, 3584, 132) == tc
+
+
+def test_decode_kernel_refuses_cpu_tensors():
+    from kernels.nvfp4 import gemm, global_scale, quantize
+
+    w = torch.randn(128, 256) * 0.02
+    q = quantize(w, global_scale(w))
+    with pytest.raises(ValueError, match="CUDA GPUs only"):
+        gemm.linear_w4a16(torch.randn(1, 256).bfloat16(), *q,
+                          _config=dict(DECODE=True, RW=1, KV=1, SPLIT_K=1, num_warps=4))
+
+
 def test_fused_backend_in_interpreter():
     from tests.conftest import interpreter_report
 

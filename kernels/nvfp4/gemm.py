@@ -802,7 +802,16 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
     common = dict(TRANS_W=trans_w, HAS_BIAS=has_bias, GROUP_M=8, GPU_MATH=not INTERPRET,
                   G_PER_ROW=g.numel() > 1)
 
-    if config is not None and config.get("GEMV"):
+    if config is not None and config.get("DECODE"):
+        from . import decode_gemm
+        if trans_w:
+            raise ValueError("the decode kernel (DECODE) is a forward kernel")
+        if a2.stride(1) != 1 or a2.stride(0) % 8 or a2.data_ptr() % 16:  # it reads 16-byte vectors
+            a2 = torch.empty_like(a2, memory_format=torch.contiguous_format).copy_(a2)
+        if packed.data_ptr() % 16:
+            packed = packed.clone()
+        out = decode_gemm.linear_decode(a2, packed, scale, g, bias_arg if has_bias else None, config)
+    elif config is not None and config.get("GEMV"):
         _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias, trans_w, dict(config))
     elif config is not None or INTERPRET:
         cfg = dict(INTERPRET_CONFIG if config is None else config)
@@ -861,7 +870,8 @@ def linear_w4a16(
     A_PREPERM (the input permuted by a separate torch op before the kernel), EVICT_W
     (evict_first weight loads), SCALE_PAIRS (where `_scale_pairs` allows; default SCALE_PAIRS_DEFAULT),
     PDL (programmatic dependent launch, `_pdl_start`); or GEMV=True with BLOCK_N, BLOCK_K, SPLIT_K, num_warps for
-    the CUDA-core kernel (M = 1, K % BLOCK_K == 0)."""
+    the CUDA-core kernel (M = 1, K % BLOCK_K == 0); or DECODE=True with RW, KV, SPLIT_K, num_warps for the
+    Gluon mma.sync kernel of `decode_gemm` (GPU only, M <= 16)."""
     n, _ = _check("linear_w4a16", x, weight_packed, weight_scale, weight_global_scale, True)
     if bias is not None:
         if bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32) \

@@ -17,10 +17,13 @@ entry wins:
 2. `SERVING_CONFIGS`, by input rows only, for shapes nobody measured; its split-K count is
    derived per call from the shape so that the grid fills the SMs.
 
-Both choose among the same kernels (the measured table per shape: on the H200 the GEMV wins at
-M = 1 only on the small q/k/v and o shapes):
+Both choose among the same kernels (the generic table never picks the decode kernel):
 
 * M = 1: the CUDA-core GEMV (`gemm._w4a16_gemv_kernel`), when K % its BLOCK_K == 0;
+* M ≤ 16 on a GPU of sm_89 or newer, where the measured table says so (the 7B shapes up to 8
+  rows): the Gluon mma.sync kernel of `decode_gemm` (no shared memory or barrier in its loop;
+  on an H200 2-13 % faster per GEMM than the GEMV / tensor-core kernel at 1-8 rows, +3 %
+  tokens/s in vLLM at one sequence, NOTES.md 2026-12-06 evening);
 * M ≤ 64 (≤ 128 on the 7B gate_up and down shapes, measured): the tensor-core kernel,
   swapped, split-K;
 * larger M: Triton dequantize to a transient bf16 Ŵ (one layer at a time), then cuBLAS.
@@ -36,11 +39,12 @@ prefetching its weight rows to L2 until the previous kernel's output is ready:
 two at a time (`gemm._SCALE_PAIR_ASM`, 250 → 241 SASS instructions per K step): 0.7 % faster
 on the GEMMs alone, within the noise in vLLM.
 
-Status (before the 32- to 128-row configs of 2026-12-06, which were checked by the sweep at
-M = 32, 64 and 128 on an H100 only): correct on an H200 at every vLLM 7B shape and M = 1-300,
-eagerly, in CUDA graphs and under torch.compile (`benchmarks/nvfp4_serving_check.py`). Inside
-vLLM 0.26 it serves a 7B shape at 232 / 3,418 tok/s for 1 / 16 sequences on an H200 (NOTES.md,
-2026-12-04, later) and 206 / 3,001 on an H100 (README, 2026-12-06).
+Status: correct on an H200 at every vLLM 7B shape and M = 1, 2, 7, 8, 9, 16 and 17 with the
+decode kernel's entries, eagerly, in CUDA graphs and under torch.compile
+(`benchmarks/nvfp4_serving_check.py`, 2026-12-06), and earlier at M = 1-300 (the 32- to 128-row
+configs were checked by the sweep on an H100 only). Inside vLLM 0.26 it serves a 7B shape at
+227 / 3,324 tok/s for 1 / 16 sequences on an H200 with sampled-token logprobs (1.36x / 1.32x
+bf16 on the same machine; README) and 206 / 3,001 on an H100 (before the decode kernel).
 """
 from __future__ import annotations
 
@@ -100,14 +104,22 @@ def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
     return split
 
 
-def config_for(m: int, n: int, k: int, sms: int) -> Optional[dict]:
-    """The forced config for an [m, k] x [n, k]ᵀ forward, or None for dequantize + cuBLAS."""
+def config_for(m: int, n: int, k: int, sms: int, decode: bool = True) -> Optional[dict]:
+    """The forced config for an [m, k] x [n, k]ᵀ forward, or None for dequantize + cuBLAS.
+    `decode`: whether the Gluon decode kernel can run here (a CUDA GPU, not the interpreter);
+    its configs are passed over where it cannot or where the shape does not fit them."""
+    def usable(cfg: dict) -> bool:
+        if cfg.get("DECODE"):
+            from . import decode_gemm
+            return decode and decode_gemm.AVAILABLE and decode_gemm.supports(m, n, k, cfg)
+        return not (cfg.get("GEMV") and (m != 1 or k % cfg["BLOCK_K"]))
+
     for rows, cfg in measured_table().get((n, k), []):  # measured at M = rows: for every M above the one before
-        if m <= rows and not (cfg.get("GEMV") and m != 1):
+        if m <= rows and usable(cfg):
             return dict(cfg)
     for rows, cfg in SERVING_CONFIGS:
         if m <= rows:
-            if cfg.get("GEMV") and k % cfg["BLOCK_K"]:
+            if not usable(cfg):
                 continue
             bm = 1 if cfg.get("GEMV") else cfg["BLOCK_M"]
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, cfg["BLOCK_N"])
@@ -120,6 +132,12 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def _decode_runs(device: torch.device) -> bool:
+    """Whether the Gluon decode kernel runs here: a CUDA GPU with e4m3 conversions (sm_89+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def prepare(device: torch.device) -> None:
@@ -140,7 +158,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row
 
     m, k = x.shape
     n = packed.shape[0]
-    cfg = config_for(m, n, k, _num_sms(x.device))
+    cfg = config_for(m, n, k, _num_sms(x.device), decode=_decode_runs(x.device) and not gemm.INTERPRET)
     if cfg is not None and os.environ.get(PDL_ENV, "0") == "1":
         cfg["PDL"] = True  # the kernel may start while the previous one finishes (gemm._pdl_start)
     if cfg is None:  # per-row divisors are handled by the bf16 dequantize too

@@ -1,0 +1,245 @@
+"""The NVFP4 W4A16 forward for decode-sized inputs (M ≤ 16 rows), in Gluon on mma.sync.
+
+y [M, N] = x [M, K] @ Ŵᵀ, Ŵ the NVFP4 weight [N, K] (packed E2M1 bytes [N, K/2], e4m3 block
+scales [N, K/16], fp32 global scale(s)). GPU only (sm_90; Gluon does not run in Triton's
+interpreter): the tests compile it offline and compare it against the reference on a GPU.
+
+Why another kernel. The tensor-core kernel of `gemm.py` (Triton `tl.dot`, wgmma) is
+latency-bound at decode sizes (kernels/nvfp4/NOTES.md, 2026-12-05: barrier and wgmma waits
+every K step, 1.2 eligible warps per scheduler, 41-52 % of copy bandwidth). This one has no
+shared memory and no barrier in its main loop: every warp streams its own 16·RW weight rows
+into registers, decodes them into the mma.sync A fragment in place, and multiplies them with
+the input's B fragment, loaded from global memory (L1/L2-resident: x is at most 16 rows).
+Warps never wait for each other, so occupancy hides the latency; the next K tile's weight,
+scales and input are loaded one iteration ahead.
+
+Layout (per 128 codes of K, one "chunk"; KV chunks per iteration). Lane l = 4g + t holds rows
+g and g + 8 of its warp's 16-row group and, in each, the bytes 16t … 16t + 15 of every chunk:
+one 16-byte load per row, words j = 0..3 (32-bit, 8 codes each). A word's 8 weights go to
+the thread's own A-fragment slots, so nothing moves between threads: the reduction is over a
+*virtual* order of K in which code 2j' + ν of byte j' + 2hh of word j (physical
+k = 32t + 8j + 4hh + 2j' + ν) sits at virtual k = 32j + 16ν + 8j' + 2t + hh, which puts the
+decoder's bf16x2 output pairs (`gemm._DECODE_WORD_ASM`) exactly on mma.sync's k-pairs of lane
+t. The input is permuted the same way in registers (its fragment is x[g, 32t … 32t + 31] of
+each chunk, loaded contiguously); both permutations are `convert_layout(assert_trivial=True)`,
+so the compiler proves that no data moves.
+
+Split-K across programs as in `gemm._w4a16_kernel` (fp32 partials, the last arriving program
+sums them in split order: deterministic), with the same per-device counter buffer.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with triton >= 3.5; its API is experimental and changes between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    AVAILABLE = True
+except ImportError:  # pragma: no cover
+    AVAILABLE = False
+
+from .gemm import _DECODE_WORD_ASM, _SCALE_BIAS, _SCALE_PAIR_ASM, _counters
+
+__all__ = ["AVAILABLE", "linear_decode", "supports"]
+
+CHUNK = 128  # codes of K per thread-group load: 4 lanes × 16 bytes of one row
+
+
+def supports(m: int, n: int, k: int, cfg: dict) -> bool:
+    """Whether a config fits a shape: M ≤ 16, K a multiple of its K tile (128·KV) and N of its rows."""
+    rows = 16 * cfg["RW"] * cfg["num_warps"]
+    return 1 <= m <= 16 and k % (CHUNK * cfg["KV"]) == 0 and n % rows == 0
+
+
+if AVAILABLE:
+    _CHUNK = gl.constexpr(CHUNK)
+    _SCALE_BIAS_C = gl.constexpr(_SCALE_BIAS)
+
+    if hasattr(gl, "thread_barrier"):  # triton 3.6 (the GPU image)
+        @gluon.jit
+        def _cta_barrier():
+            gl.thread_barrier()
+    else:  # triton 3.9 renamed it
+        @gluon.jit
+        def _cta_barrier():
+            gl.barrier()
+
+    @gluon.constexpr_function
+    def _mma_layout(warps):
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+
+    @gluon.constexpr_function
+    def _words_layout(rw, warps, per_thread):
+        """[16·RW·W rows, 4·per_thread cols] (32-bit words, or int16 scale pairs with per_thread
+        = KV): lane 4g + t holds rows g, g + 8 of each 16-row group of its warp, columns
+        per_thread·t …; the warp's groups repeat every 16·W rows (the mma layout's order)."""
+        reg = [[0, 1 << b] for b in range(per_thread.bit_length() - 1)] + [[8, 0]]
+        reg += [[16 * warps << b, 0] for b in range(rw.bit_length() - 1)]
+        lane = [[0, per_thread], [0, 2 * per_thread], [1, 0], [2, 0], [4, 0]]
+        warp = [[16 << b, 0] for b in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * rw * warps, 4 * per_thread])
+
+    @gluon.constexpr_function
+    def _x_layout(mt, warps, kv):
+        """[MT input rows, 128·KV]: lane 4g + t holds row g (and g + 8 when MT = 16) and the
+        32·KV contiguous columns of lane t; every warp holds the same (the mma B operand)."""
+        reg = [[0, 1 << b] for b in range((32 * kv).bit_length() - 1)] + ([[8, 0]] if mt == 16 else [])
+        lane = [[0, 32 * kv], [0, 64 * kv], [1, 0], [2, 0], [4, 0]]
+        warp = [[0, 0] for _ in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [mt, CHUNK * kv])
+
+    @gluon.jit
+    def _virtual_k(v, ROWS: gl.constexpr, KV: gl.constexpr):
+        """[ROWS, 128·KV] in physical order k = 32·KV·t + 8j + 4hh + 2j' + ν → the virtual
+        order 32j + 16ν + 8j' + 2t + hh (the module docstring)."""
+        v = gl.reshape(v, [ROWS, 4, 4 * KV, 2, 2, 2])  # t, j, hh, j', ν
+        v = gl.permute(v, [0, 2, 5, 4, 1, 3])  # j, ν, j', t, hh
+        return gl.reshape(v, [ROWS, _CHUNK * KV])
+
+    @gluon.jit
+    def _decode(w, s, ROWS: gl.constexpr, KV: gl.constexpr):
+        """int32 words w [ROWS, 16·KV] and their scales s (s · 2^118 as bf16x2, same shape) →
+        the weights [ROWS, 128·KV] bf16 in physical K order (· 2^-8, see gemm._DECODE_ASM)."""
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _DECODE_WORD_ASM.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, s],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        # output 4ν + 2j' + hh is nibble ν of byte j' + 2hh
+        v = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+        # [ROWS, 16·KV, hh, j', ν] → physical order within the word: 4hh + 2j' + ν
+        return gl.reshape(v, [ROWS, _CHUNK * KV])
+
+    @gluon.jit
+    def _step(w, s, x, acc, ROWS: gl.constexpr, KV: gl.constexpr, MT: gl.constexpr,
+              w_lay: gl.constexpr, a_op: gl.constexpr, b_op: gl.constexpr):
+        """acc += one K tile: weight words w, scale pairs s, input x (their load layouts)."""
+        # two block scales per int16 → each as s · 2^118 twice in a 32-bit word; then each word's own
+        s0, s1 = gl.inline_asm_elementwise(_SCALE_PAIR_ASM.value, "=r,=r,h", [s],
+                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        sw = gl.reshape(gl.join(gl.join(s0, s1), gl.join(s0, s1)), [ROWS, 16 * KV])  # word 4p + 2·block + copy
+        sw = gl.convert_layout(sw, w_lay, assert_trivial=True)
+        a = gl.convert_layout(_virtual_k(_decode(w, sw, ROWS, KV), ROWS, KV), a_op, assert_trivial=True)
+        b = gl.convert_layout(gl.permute(_virtual_k(x, MT, KV), [1, 0]), b_op, assert_trivial=True)
+        return mma_v2(a, b, acc)
+
+    @gluon.jit
+    def _decode_kernel(
+        x_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_w, stride_s, SPLIT_K,
+        RW: gl.constexpr, KV: gl.constexpr, MT: gl.constexpr,
+        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+    ):
+        W: gl.constexpr = gl.num_warps()
+        ROWS: gl.constexpr = 16 * RW * W
+        BK: gl.constexpr = _CHUNK * KV
+        mma: gl.constexpr = _mma_layout(W)
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        w_lay: gl.constexpr = _words_layout(RW, W, 4 * KV)
+        s_lay: gl.constexpr = _words_layout(RW, W, KV)
+        x_lay: gl.constexpr = _x_layout(MT, W, KV)
+
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        k_tiles = K // BK
+        per_split = gl.cdiv(k_tiles, SPLIT_K)
+        kt0 = pid_k * per_split
+        kt1 = gl.minimum(kt0 + per_split, k_tiles)
+        first = gl.minimum(kt0, kt1 - 1)  # a split past the end (it adds zeros) still loads a real tile
+
+        # weight words [ROWS, 16·KV] and scale pairs [ROWS, 4·KV] of the split's first K tile
+        rows_w = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, w_lay))
+        cols_w = gl.arange(0, 16 * KV, layout=gl.SliceLayout(0, w_lay))
+        w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + rows_w.to(gl.int64)[:, None] * (stride_w // 4)
+                  + (first * (BK // 8) + cols_w)[None, :])
+        rows_s = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_lay))
+        cols_s = gl.arange(0, 4 * KV, layout=gl.SliceLayout(0, s_lay))
+        s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + rows_s.to(gl.int64)[:, None] * (stride_s // 2)
+                  + (first * (BK // 32) + cols_s)[None, :])
+        # input [MT, BK] of that tile; rows ≥ M repeat row M - 1 (same cache lines, no mask:
+        # their products land in output columns that are never stored)
+        xm = gl.minimum(gl.arange(0, MT, layout=gl.SliceLayout(1, x_lay)), M - 1)
+        xk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_lay))
+        x_ptrs = x_ptr + xm.to(gl.int64)[:, None] * stride_xm + (first * BK + xk)[None, :]
+
+        # two K tiles per iteration in two register sets, each loaded one tile ahead of its use
+        # (one set would need a copy of every prefetched register at the end of each iteration)
+        acc = gl.zeros([ROWS, MT], gl.float32, layout=mma)
+        w = gl.load(w_ptrs)
+        s = gl.load(s_ptrs)
+        x = gl.load(x_ptrs)
+        for kt in range(kt0, kt1, 2):
+            d1 = gl.minimum(kt + 1, kt1 - 1) - kt  # past the split's end: reload a tile, unused
+            w2 = gl.load(w_ptrs + d1 * (BK // 8))
+            s2 = gl.load(s_ptrs + d1 * (BK // 32))
+            x2 = gl.load(x_ptrs + d1 * BK)
+            acc = _step(w, s, x, acc, ROWS, KV, MT, w_lay, a_op, b_op)
+            d2 = gl.minimum(kt + 2, kt1 - 1) - kt
+            w = gl.load(w_ptrs + d2 * (BK // 8))
+            s = gl.load(s_ptrs + d2 * (BK // 32))
+            x = gl.load(x_ptrs + d2 * BK)
+            if kt + 1 < kt1:
+                acc = _step(w2, s2, x2, acc, ROWS, KV, MT, w_lay, a_op, b_op)
+            w_ptrs += d2 * (BK // 8)
+            s_ptrs += d2 * (BK // 32)
+            x_ptrs += d2 * BK
+
+        acc = acc * _SCALE_BIAS_C
+        rn = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+        rm = gl.arange(0, MT, layout=gl.SliceLayout(0, mma))
+        out_offs = rm.to(gl.int64)[None, :] * N + rn[:, None]
+        out_mask = (rm < M)[None, :] & (rn >= 0)[:, None]
+        if G_PER_ROW:
+            g = gl.load(g_ptr + rn)[:, None]
+        else:
+            g = gl.load(g_ptr)
+        if SPLIT_K == 1:
+            y = gl.div_rn(acc, g)
+            if HAS_BIAS:
+                y += gl.load(bias_ptr + rn).to(gl.float32)[:, None]
+            gl.store(out_ptr + out_offs, y.to(gl.bfloat16), mask=out_mask)
+        else:
+            gl.store(ws_ptr + pid_k * (M * N) + out_offs, acc, mask=out_mask)
+            _cta_barrier()  # every thread's partial is written before the release below
+            arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last split of these rows sums the partials in split order
+                total = gl.zeros([ROWS, MT], gl.float32, layout=mma)
+                for sp in range(0, SPLIT_K):
+                    total += gl.load(ws_ptr + sp * (M * N) + out_offs, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                y = gl.div_rn(total, g)
+                if HAS_BIAS:
+                    y += gl.load(bias_ptr + rn).to(gl.float32)[:, None]
+                gl.store(out_ptr + out_offs, y.to(gl.bfloat16), mask=out_mask)
+                gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+def linear_decode(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                  bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
+    """y [M, N] bf16 = x [M, K] bf16 @ Ŵᵀ (+ bias) with config keys RW (16-row groups per warp),
+    KV (128-code chunks per K step), SPLIT_K, num_warps. The caller (`gemm.linear_w4a16`) has
+    checked dtypes and shapes; x is 2-D with unit stride along K, packed rows 16-byte aligned."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if not x.is_cuda:
+        raise ValueError("the decode kernel (Gluon) runs on CUDA GPUs only; Triton's interpreter does not run Gluon")
+    if not AVAILABLE or not supports(m, n, k, cfg):
+        raise ValueError(f"the decode kernel needs Gluon, 1 <= M <= 16, K % {CHUNK * cfg['KV']} == 0 and "
+                         f"N % {16 * cfg['RW'] * cfg['num_warps']} == 0 (got M={m}, N={n}, K={k})")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or packed.stride(0) % 16 or packed.data_ptr() % 16:
+        raise ValueError("the decode kernel reads x and the packed weight in 16-byte vectors: both need "
+                         "16-byte aligned rows")
+    if scale.stride(0) % 2 or scale.data_ptr() % 2:
+        raise ValueError("the decode kernel reads the block scales in pairs: their rows need an even stride")
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    split = cfg.get("SPLIT_K", 1)
+    tiles = n // (16 * cfg["RW"] * cfg["num_warps"])
+    ws = torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else out
+    g = global_scale.reshape(-1)
+    _decode_kernel[(tiles, split)](
+        x, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out, ws,
+        _counters(x.device, tiles), m, n, k, x.stride(0), packed.stride(0), scale.stride(0), split,
+        RW=cfg["RW"], KV=cfg["KV"], MT=8 if m <= 8 else 16, HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1,
+        num_warps=cfg["num_warps"],
+    )
+    return out
