@@ -26,6 +26,8 @@ Grids (`--grid`, several allowed):
            vLLM at 64 sequences on an H100)
   decode   the Gluon mma.sync kernel (`decode_gemm`, no shared memory in its loop) at M = 1, 8
            and 16: 16-row groups per warp (RW), 128-code chunks per step (KV), warps, split
+  decode-ring  the decode kernel with its weight staged through shared memory by cp.async
+           (STAGES 3/4/6 tiles in flight per warp; 0: in registers) and 1/2/4 warps per program
   serving  the serving table's configs at up to 16 rows, as they are: the yardstick for decode
 
 Shapes (`--shapes`): vllm-7b (default: Qwen2.5-7B as vLLM runs it, merged qkv and gate_up),
@@ -113,6 +115,9 @@ def grid(name: str) -> list[tuple[int, dict]]:
     elif name == "decode":  # the Gluon mma.sync kernel (kernels/nvfp4/decode_gemm.py) at decode sizes
         for m, rw, kv, warps, split in itertools.product((1, 8, 16), (1, 2), (1, 2), (4, 8), (1, 2, 4, 8)):
             out.append((m, dict(DECODE=True, RW=rw, KV=kv, SPLIT_K=split, num_warps=warps)))
+    elif name == "decode-ring":  # the same with the weight through a cp.async ring in shared memory (STAGES)
+        for m, rw, warps, stages, split in itertools.product((1, 8, 16), (1, 2), (1, 2, 4), (0, 3, 4, 6), (1, 2, 8)):
+            out.append((m, dict(DECODE=True, RW=rw, KV=1, STAGES=stages, SPLIT_K=split, num_warps=warps)))
     elif name == "serving":  # what the serving table runs now at up to 16 rows: the decode grid's yardstick
         from kernels.nvfp4 import serving
         seen = set()
@@ -124,7 +129,7 @@ def grid(name: str) -> list[tuple[int, dict]]:
                     out.append((m, c))
     else:
         raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-reg, tc-deep, tc-m64, ab-pairs, "
-                         "decode, serving")
+                         "decode, decode-ring, serving")
     return out
 
 
@@ -267,7 +272,7 @@ def main(argv=None) -> int:
 
 
 CONFIG_KEYS = ("GEMV", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "SPLIT_K", "num_warps", "num_stages",
-               "maxnreg", "A_PREPERM", "EVICT_W", "SCALE_PAIRS", "DECODE", "RW", "KV")
+               "maxnreg", "A_PREPERM", "EVICT_W", "SCALE_PAIRS", "DECODE", "RW", "KV", "STAGES")
 ROW_KEYS = ("shape", "N", "K", "M", "kernel", "kernel_only", "us", "pct_bw", "rel_err", "error")
 
 

@@ -184,6 +184,15 @@ def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
         assert mem["ld.global.v4.b32"] >= 2 * (2 + mt // 2), r  # 2 weight rows + the input, 16 bytes each
         # 2 × 2,048 weights per warp and iteration: 431 / 514 SASS instructions on triton 3.6 and 3.9
         assert r["sass_loop_instructions"] <= (450 if mt == 8 else 540), r
+    # the shared-memory ring (STAGES): the weight arrives by cp.async, 16 bytes per thread and row
+    ring = {"DECODE": True, "RW": 1, "KV": 1, "MT": 8, "num_warps": 1, "STAGES": 3}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), "--config", json.dumps(ring)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert r["spill_store_bytes"] == 0 and r["mma_sync"] == 8 and r["shared_bytes"] >= 3 * 16 * 64, r
+    assert r["memory_instructions"].get("cp.async.cg.shared.global", 0) >= 2, r  # rows g and g + 8
+    assert r["sass_loop_ops"].get("LDS", 0) >= 2 and r["sass_loop_instructions"] <= 245, r
 
 
 def test_pdl_kernels_wait_before_touching_the_input_or_output(tmp_path):
