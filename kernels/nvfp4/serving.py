@@ -21,9 +21,10 @@ Both choose among the same kernels (the generic table never picks the decode ker
 
 * M = 1: the CUDA-core GEMV (`gemm._w4a16_gemv_kernel`), when K % its BLOCK_K == 0;
 * M ≤ 16 on a GPU of sm_89 or newer, where the measured table says so (the 7B shapes up to 8
-  rows): the Gluon mma.sync kernel of `decode_gemm` (no shared memory or barrier in its loop;
-  on an H200 2-13 % faster per GEMM than the GEMV / tensor-core kernel at 1-8 rows, +3 %
-  tokens/s in vLLM at one sequence, NOTES.md 2026-12-06 evening);
+  rows): the Gluon mma.sync kernel of `decode_gemm` (each warp streams its own rows, in
+  registers or, on gate_up and down at one row, through a shared-memory ring; on an H200 1-13 %
+  faster per GEMM than the GEMV / tensor-core kernel at 1-8 rows before the ring, +3 % tokens/s
+  in vLLM at one sequence; the ring another 5-10 % on those two; NOTES.md 2026-12-06 evening);
 * M ≤ 64 (≤ 128 on the 7B gate_up and down shapes, measured): the tensor-core kernel,
   swapped, split-K;
 * larger M: Triton dequantize to a transient bf16 Ŵ (one layer at a time), then cuBLAS.

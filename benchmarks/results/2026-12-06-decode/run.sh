@@ -22,3 +22,11 @@ python3 benchmarks/rollout.py --backends $BACKENDS --concurrency ${CONC:-1,16} -
   --write-table 2>&1 | grep -v -E "INFO|it/s\]" > $OUT/rollout_$tag.log
 grep -E "tok/s|\||c=|rror" $OUT/rollout_$tag.log | tail -25
 cp /tmp/rb/results-*.json components/rollout/backend_throughput.json $OUT/ 2>/dev/null
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv | tee $OUT/gpu.txt
+BW=4.245e12; grep -q H100 $OUT/gpu.txt && BW=3.35e12
+timeout 200 python3 benchmarks/nvfp4_decode_check.py > $OUT/decode_check2.log 2>&1; echo "check rc $?"
+tail -2 $OUT/decode_check2.log; grep -m3 -A3 -E "ERROR|BAD" $OUT/decode_check2.log | cut -c1-1500
+timeout 360 python3 benchmarks/nvfp4_gemm_sweep.py --grid decode-ring serving --jobs 14 --bandwidth $BW --rep 20 \
+   --out $OUT/sweep_ring.json > $OUT/sweep_ring.log 2>&1; echo "sweep rc $?"
+sed -n '/Best correct/,$p' $OUT/sweep_ring.log | cut -c1-220
