@@ -1,15 +1,16 @@
 """The NVFP4 W4A16 forward for decode-sized inputs (M ≤ 16 rows), in Gluon on mma.sync.
 
 y [M, N] = x [M, K] @ Ŵᵀ, Ŵ the NVFP4 weight [N, K] (packed E2M1 bytes [N, K/2], e4m3 block
-scales [N, K/16], fp32 global scale(s)). GPU only (sm_90; Gluon does not run in Triton's
+scales [N, K/16], fp32 global scale(s)). GPU only (sm_89+; Gluon does not run in Triton's
 interpreter): the tests compile it offline and compare it against the reference on a GPU.
 
 Why another kernel. The tensor-core kernel of `gemm.py` (Triton `tl.dot`, wgmma) is
 latency-bound at decode sizes (kernels/nvfp4/NOTES.md, 2026-12-05: barrier and wgmma waits
-every K step, 1.2 eligible warps per scheduler, 41-52 % of copy bandwidth). This one has no
-shared memory and no barrier in its main loop: every warp streams its own 16·RW weight rows
-into registers, decodes them into the mma.sync A fragment in place, and multiplies them with
-the input's B fragment, loaded from global memory (L1/L2-resident: x is at most 16 rows).
+every K step, 1.2 eligible warps per scheduler, 41-52 % of copy bandwidth). This one (with
+the default STAGES = 0) has no shared memory and no barrier in its main loop: every warp
+streams its own 16·RW weight rows into registers, decodes them into the mma.sync A fragment in
+place, and multiplies them with the input's B fragment, loaded from global memory
+(L1/L2-resident: x is at most 16 rows).
 Warps never wait for each other, so occupancy hides the latency; the next K tile's weight,
 scales and input are loaded one iteration ahead.
 
