@@ -161,9 +161,10 @@ def test_gemv_compiles_to_a_lean_loop_on_hopper():
 
 def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
     """Compiled for sm_90a without a GPU (Gluon does not run in the interpreter; its results are
-    checked on a GPU by devrun-style checks, NOTES.md): the decode kernel's conversions into the
-    mma.sync fragments are proven trivial by the compiler (`assert_trivial`), so its K loop has
-    no shared memory, no barrier and no wgmma; weight and input arrive in 16-byte loads; no spills."""
+    checked on a GPU by benchmarks/nvfp4_decode_check.py, NOTES.md): the decode kernel's
+    conversions into the mma.sync fragments are proven trivial by the compiler (`assert_trivial`),
+    so its K loop has no shared memory, no barrier and no wgmma; weight and input arrive in
+    16-byte loads; no spills. With STAGES the weight comes through shared memory by cp.async."""
     import os
     import subprocess
 
