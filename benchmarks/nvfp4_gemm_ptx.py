@@ -80,11 +80,8 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
                   "G_PER_ROW": cfg.get("G_PER_ROW", False), "STAGES": cfg.get("STAGES", 0)}
         ptrs = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-        names = fn.arg_names
-        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
-        div16 = [n for n in names if n in ptrs or n in ("N", "K", "stride_xm", "stride_w", "stride_s")]
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-        src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        div16 = [*ptrs, "N", "K", "stride_xm", "stride_w", "stride_s"]
+        src = _source(GluonASTSource, fn, ptrs, consts, div16)
         return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}),
                              out, "_".join(f"{v}" for v in ("decode", *consts.values(), warps)))
     bk = cfg["BLOCK_K"]
@@ -100,15 +97,21 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
                   **cfg}
     # constexpr parameters with a default (A_PREPERM, EVICT_W, G_PER_ROW) take it unless given
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
-    names = fn.arg_names  # the signature must follow the kernel's argument order
     ptrs = {**PTRS, "a_ptr": "*i32"} if fn is not gemm._w4a16_kernel else PTRS  # GEMV: input as words
-    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
-    div16 = [n for n in (*PTRS, *INTS) if n in names and n not in ("M", "SPLIT_K", "M_BUCKET")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    src = _source(ASTSource, fn, ptrs, consts, [n for n in (*PTRS, *INTS) if n not in ("M", "SPLIT_K", "M_BUCKET")])
     options = {"num_warps": warps, "num_stages": stages, **regs}
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return _ptxas_report(k, out, "_".join(f"{v}" for v in (("dx" if trans_w else "fwd"), *cfg.values(), warps, stages)))
+
+
+def _source(source_cls, fn, ptrs: dict, consts: dict, div16: list):
+    """The compiler's source for `fn`: pointer types from `ptrs`, other non-constexpr arguments
+    int32, the arguments named in `div16` marked divisible by 16 (as triton specializes them
+    for real shapes); the signature follows the kernel's argument order."""
+    names = fn.arg_names
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16 if n in names}
+    return source_cls(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
 
 
 def _ptxas_report(k, out: Path | None, tag: str) -> dict:

@@ -121,9 +121,8 @@ def grid(name: str) -> list[tuple[int, dict]]:
     elif name == "serving":  # what the serving table runs now at up to 16 rows: the decode grid's yardstick
         from kernels.nvfp4 import serving
         seen = set()
-        for entries in serving.measured_table().values():
+        for entries in serving.measured_table().values():  # kernel arguments only (_load_table)
             for m, c in entries:
-                c = {k: v for k, v in c.items() if k not in serving.MEASURED_KEYS}
                 if m <= 16 and (key := json.dumps([m, c], sort_keys=True)) not in seen:
                     seen.add(key)
                     out.append((m, c))
