@@ -77,7 +77,8 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         from kernels.nvfp4 import decode_gemm
         fn = decode_gemm._decode_kernel
         consts = {"RW": cfg["RW"], "KV": cfg["KV"], "MT": cfg.get("MT", 8), "HAS_BIAS": False,
-                  "G_PER_ROW": cfg.get("G_PER_ROW", False), "STAGES": cfg.get("STAGES", 0)}
+                  "G_PER_ROW": cfg.get("G_PER_ROW", False), "STAGES": cfg.get("STAGES", 0),
+                  "RING_S": cfg.get("RING_S", False)}
         ptrs = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
         div16 = [*ptrs, "N", "K", "stride_xm", "stride_w", "stride_s"]

@@ -28,6 +28,9 @@ Grids (`--grid`, several allowed):
            and 16: 16-row groups per warp (RW), 128-code chunks per step (KV), warps, split
   decode-ring  the decode kernel with its weight staged through shared memory by cp.async
            (STAGES 3/4/6 tiles in flight per warp; 0: in registers) and 1/2/4 warps per program
+  decode-ring-s  the ring at M = 1 with the block scales staged through it as well (RING_S:
+           STAGES - 1 tiles ahead instead of one in registers). At 8 and 16 rows and with the input
+           through the ring too, an H100 sweep of 2026-12-06 found no gain (kernels/nvfp4/NOTES.md)
   serving  the serving table's configs at up to 16 rows, as they are: the yardstick for decode
 
 Shapes (`--shapes`): vllm-7b (default: Qwen2.5-7B as vLLM runs it, merged qkv and gate_up),
@@ -118,6 +121,9 @@ def grid(name: str) -> list[tuple[int, dict]]:
     elif name == "decode-ring":  # the same with the weight through a cp.async ring in shared memory (STAGES)
         for m, rw, warps, stages, split in itertools.product((1, 8, 16), (1, 2), (1, 2, 4), (0, 3, 4, 6), (1, 2, 8)):
             out.append((m, dict(DECODE=True, RW=rw, KV=1, STAGES=stages, SPLIT_K=split, num_warps=warps)))
+    elif name == "decode-ring-s":  # the ring with the block scales in it too (RING_S), at one row
+        for warps, stages, split in itertools.product((1, 2, 4), (3, 4, 6), (1, 2, 8)):
+            out.append((1, dict(DECODE=True, RW=1, KV=1, STAGES=stages, SPLIT_K=split, num_warps=warps, RING_S=True)))
     elif name == "serving":  # what the serving table runs now at up to 16 rows: the decode grid's yardstick
         from kernels.nvfp4 import serving
         seen = set()
@@ -128,7 +134,7 @@ def grid(name: str) -> list[tuple[int, dict]]:
                     out.append((m, c))
     else:
         raise SystemExit(f"unknown grid {name!r}: gemv, tc-m1, tc-m16, tc-split, tc-reg, tc-deep, tc-m64, ab-pairs, "
-                         "decode, decode-ring, serving")
+                         "decode, decode-ring, decode-ring-s, serving")
     return out
 
 
@@ -271,7 +277,7 @@ def main(argv=None) -> int:
 
 
 CONFIG_KEYS = ("GEMV", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "SPLIT_K", "num_warps", "num_stages",
-               "maxnreg", "A_PREPERM", "EVICT_W", "SCALE_PAIRS", "DECODE", "RW", "KV", "STAGES")
+               "maxnreg", "A_PREPERM", "EVICT_W", "SCALE_PAIRS", "DECODE", "RW", "KV", "STAGES", "RING_S")
 ROW_KEYS = ("shape", "N", "K", "M", "kernel", "kernel_only", "us", "pct_bw", "rel_err", "error")
 
 

@@ -164,18 +164,20 @@ def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
     checked on a GPU by benchmarks/nvfp4_decode_check.py, NOTES.md): the decode kernel's
     conversions into the mma.sync fragments are proven trivial by the compiler (`assert_trivial`),
     so its K loop has no shared memory, no barrier and no wgmma; weight and input arrive in
-    16-byte loads; no spills. With STAGES the weight comes through shared memory by cp.async."""
+    16-byte loads; no spills. With STAGES the weight comes through shared memory by cp.async, and
+    with RING_S the block scales too (4-byte copies instead of 2-byte loads into registers)."""
     import os
     import subprocess
 
     ring = {"DECODE": True, "RW": 1, "KV": 1, "MT": 8, "num_warps": 1, "STAGES": 3}
     cfgs = [{"DECODE": True, "RW": 1, "KV": 1, "MT": mt, "num_warps": 4} for mt in (8, 16)] + [ring]
+    cfgs += [dict(ring, RING_S=True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"),
                            *(a for c in cfgs for a in ("--config", json.dumps(c)))],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    *plain, ring_report = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    *plain, ring_report, ring_s = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
     for r in plain:
         mt = r["config"]["MT"]
         mem = r["memory_instructions"]
@@ -192,6 +194,13 @@ def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
     assert r["spill_store_bytes"] == 0 and r["mma_sync"] == 8 and r["shared_bytes"] >= 3 * 16 * 64, r
     assert r["memory_instructions"].get("cp.async.cg.shared.global", 0) >= 2, r  # rows g and g + 8
     assert r["sass_loop_ops"].get("LDS", 0) >= 2 and r["sass_loop_instructions"] <= 245, r
+    # ... and the block scales with it (RING_S): 4-byte cp.async, no 2-byte scale loads left
+    r = ring_s
+    mem = r["memory_instructions"]
+    assert r["spill_store_bytes"] == 0 and r["mma_sync"] == 8, r
+    assert mem.get("cp.async.cg.shared.global", 0) >= 2 and mem.get("cp.async.ca.shared.global", 0) >= 1, r
+    assert "ld.global.b16" not in mem and mem.get("bar.sync", 0) >= 2, r
+    assert r["sass_loop_ops"].get("LDGSTS", 0) >= 3 and r["sass_loop_instructions"] <= 245, r
 
 
 def test_pdl_kernels_wait_before_touching_the_input_or_output(tmp_path):

@@ -31,6 +31,10 @@ Each thread reads back only what it copied itself, so its own `cp.async.wait_gro
 enough, but Triton's barrier analysis cannot see that and puts two `bar.sync` in the loop; with
 one or two warps per program they cost little. On an H200 this is 10 % faster on the 7B gate_up
 shape at one row and 5 % on down (kernels/nvfp4/NOTES.md, 2026-12-06 evening).
+RING_S puts the block scales through a ring of their own as well (STAGES - 1 tiles ahead instead
+of one); as threads then read scales other threads copied, the loop gets a CTA barrier after the
+wait and one before a slot is overwritten. 3 % faster on gate_up at one row on an H100, no gain
+elsewhere (NOTES.md, 2026-12-06 night).
 
 Split-K across programs as in `gemm._w4a16_kernel` (fp32 partials, the last arriving program
 sums them in split order: deterministic), with the same per-device counter buffer.
@@ -146,6 +150,7 @@ if AVAILABLE:
         M, N, K, stride_xm, stride_w, stride_s, SPLIT_K,
         RW: gl.constexpr, KV: gl.constexpr, MT: gl.constexpr,
         HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, STAGES: gl.constexpr = 0,
+        RING_S: gl.constexpr = False,
     ):
         W: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * RW * W
@@ -204,26 +209,49 @@ if AVAILABLE:
                 x_ptrs += d2 * BK
         else:
             # the weight through a ring of STAGES tiles in shared memory (cp.async): a thread copies
-            # its own 16-byte vectors and reads back only those, so its own wait_group is all the
-            # synchronisation there is; scales and input one tile ahead in registers
+            # its own 16-byte vectors and reads back only those. The input (L1/L2-resident) is loaded
+            # one tile ahead in registers. RING_S: the block scales go through a ring too, 4·KV bytes
+            # per copy in a layout of their own, so threads read scales that other threads copied: a
+            # CTA barrier after the wait and one before a slot is copied over. Otherwise they are
+            # loaded one tile ahead in registers.
             ring = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16 * KV], _RING_LAYOUT)
+            if RING_S:
+                sc_lay: gl.constexpr = gl.BlockedLayout([1, 2 * KV], [16, 2], [W, 1], [1, 0])
+                s_ring = gl.allocate_shared_memory(gl.int16, [STAGES, ROWS, 4 * KV], _RING_LAYOUT)
+                rows_c = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, sc_lay))
+                cols_c = gl.arange(0, 4 * KV, layout=gl.SliceLayout(0, sc_lay))
+                sc_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + rows_c.to(gl.int64)[:, None] * (stride_s // 2)
+                           + (first * (BK // 32) + cols_c)[None, :])
             n_kt = kt1 - kt0
             for i in gl.static_range(STAGES - 1):
-                _copy_to_shared(ring.index(i), w_ptrs + gl.maximum(gl.minimum(i, n_kt - 1), 0) * (BK // 8))
+                t = gl.maximum(gl.minimum(i, n_kt - 1), 0)
+                _copy_to_shared(ring.index(i), w_ptrs + t * (BK // 8))
+                if RING_S:
+                    _copy_to_shared(s_ring.index(i), sc_ptrs + t * (BK // 32))
                 async_copy.commit_group()
-            s = gl.load(s_ptrs)
+            if not RING_S:
+                s = gl.load(s_ptrs)
             x = gl.load(x_ptrs)
             for i in range(0, n_kt):
+                slot = (i + STAGES - 1) % STAGES
                 ahead = gl.minimum(i + STAGES - 1, n_kt - 1)
-                _copy_to_shared(ring.index((i + STAGES - 1) % STAGES), w_ptrs + ahead * (BK // 8))
+                if RING_S:
+                    _cta_barrier()  # every thread has read the scales of slot `slot` (tile i - 1)
+                    _copy_to_shared(s_ring.index(slot), sc_ptrs + ahead * (BK // 32))
+                _copy_to_shared(ring.index(slot), w_ptrs + ahead * (BK // 8))
                 async_copy.commit_group()
                 nxt = gl.minimum(i + 1, n_kt - 1)
-                s_next = gl.load(s_ptrs + nxt * (BK // 32))
+                if not RING_S:
+                    s_next = gl.load(s_ptrs + nxt * (BK // 32))
                 x_next = gl.load(x_ptrs + nxt * BK)
                 async_copy.wait_group(STAGES - 1)  # this thread's copies of tile i have landed
+                if RING_S:
+                    _cta_barrier()  # ... and every other thread's
+                    s = s_ring.index(i % STAGES).load(s_lay)
                 w = ring.index(i % STAGES).load(w_lay)
                 acc = _step(w, s, x, acc, ROWS, KV, MT, w_lay, a_op, b_op)
-                s = s_next
+                if not RING_S:
+                    s = s_next
                 x = x_next
             async_copy.wait_group(0)
 
@@ -260,9 +288,11 @@ if AVAILABLE:
 def linear_decode(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                   bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
     """y [M, N] bf16 = x [M, K] bf16 @ Ŵᵀ (+ bias) with config keys RW (16-row groups per warp),
-    KV (128-code chunks per K step), SPLIT_K, num_warps, and STAGES (0: the weight prefetched one
-    tile ahead in registers; ≥ 2: through a ring of that many tiles in shared memory). The caller (`gemm.linear_w4a16`) has
-    checked dtypes and shapes; x is 2-D with unit stride along K, packed rows 16-byte aligned."""
+    KV (128-code chunks per K step), SPLIT_K, num_warps, STAGES (0: the weight prefetched one
+    tile ahead in registers; ≥ 2: through a ring of that many tiles in shared memory) and RING_S
+    (with STAGES ≥ 2: the block scales through a ring as well, 4-byte copies). The caller
+    (`gemm.linear_w4a16`) has checked dtypes and shapes; x is 2-D with unit stride along K, packed
+    rows 16-byte aligned."""
     m, k = x.shape
     n = packed.shape[0]
     if not x.is_cuda:
@@ -275,6 +305,11 @@ def linear_decode(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
                          "16-byte aligned rows")
     if scale.stride(0) % 2 or scale.data_ptr() % 2:
         raise ValueError("the decode kernel reads the block scales in pairs: their rows need an even stride")
+    ring_s = bool(cfg.get("RING_S", False))
+    if ring_s and (cfg.get("STAGES", 0) < 2 or scale.stride(0) % 4 or scale.data_ptr() % 4):
+        raise ValueError("RING_S copies the block scales in 4-byte vectors through the shared-memory ring: it "
+                         f"needs STAGES >= 2 and 4-byte aligned scale rows (got STAGES={cfg.get('STAGES', 0)}, "
+                         f"row stride {scale.stride(0)} B, address % 4 = {scale.data_ptr() % 4})")
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     split = cfg.get("SPLIT_K", 1)
     tiles = n // (16 * cfg["RW"] * cfg["num_warps"])
@@ -284,7 +319,7 @@ def linear_decode(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
         x, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out, ws,
         _counters(x.device, tiles), m, n, k, x.stride(0), packed.stride(0), scale.stride(0), split,
         RW=cfg["RW"], KV=cfg["KV"], MT=8 if m <= 8 else 16, HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1,
-        STAGES=cfg.get("STAGES", 0),
+        STAGES=cfg.get("STAGES", 0), RING_S=ring_s,
         num_warps=cfg["num_warps"],
     )
     return out
