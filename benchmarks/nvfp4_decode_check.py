@@ -3,10 +3,10 @@
     python benchmarks/nvfp4_decode_check.py
 
 Every config of RW 1/2 × KV 1/2 × 1/4 warps × split 1/3/8 (split 8 leaves a split empty on
-K = 3584) × weight in registers or through a 4-stage shared-memory ring (STAGES 0/4), and RW 1 with the
-block scales through a ring of 3 or 4 stages as well (RING_S), on three shapes, M = 1, 2, 5, 8,
-9 and 16, with one global scale or one per row plus
-a bias, and block scales of 0, e4m3 subnormals and 448 planted. Prints the failures and the
+K = 3584) × weight in registers or through a 4-stage shared-memory ring (STAGES 0/4), and RW 1
+with the block scales through a ring of 3 or 4 stages as well (RING_S), on three shapes,
+M = 1, 2, 5, 8, 9 and 16, with one global scale or one per row plus a bias, and block scales
+of 0, e4m3 subnormals and 448 planted. Prints the failures and the
 M = 1 / 16 cases at split 3; exits 1 on any relative error ≥ 1e-2 (bf16 output: ~2e-3).
 """
 from __future__ import annotations

@@ -12,8 +12,8 @@ timeout 330 python3 benchmarks/nvfp4_gemm_sweep.py --grid decode-ring-s serving 
 cp /tmp/table.json $OUT/serving_configs.json
 sed -n '/Best correct/,$p' $OUT/sweep_rs.log | cut -c1-200
 fi
-# 2. (rollout, after the vLLM kit's nine chunk calls) fused with that table, then bf16 and dequant,
-#    at 1, 16, 64 and 256 sequences, sampled-token logprobs on
+# 2. (rollout, after the vLLM kit's nine chunk calls) the backends in BACKENDS (run here:
+#    fused,bf16,marlin), fused with that table, at 1, 16, 64 and 256 sequences, logprobs on
 if [ "$STEP" = rollout ]; then
 source /tmp/vk/c1/setup.sh > /tmp/setup.log 2>&1 || { tail -20 /tmp/setup.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 QERL_NVFP4_SERVING_CONFIGS=/tmp/table.json
