@@ -85,6 +85,19 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         src = _source(GluonASTSource, fn, ptrs, consts, div16)
         return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}),
                              out, "_".join(f"{v}" for v in ("decode", *consts.values(), warps)))
+    if cfg.pop("WGMMA", False):  # the Gluon decode-to-shared-memory + wgmma kernel (wgmma_gemm.py)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from kernels.nvfp4 import wgmma_gemm
+        c = {**wgmma_gemm.DEFAULT_CONFIG, **cfg}
+        consts = {"FORWARD": not trans_w, **{k: c[k] for k in ("BM", "BP", "BR", "STAGES", "GROUP_M")},
+                  "HAS_BIAS": False, "G_PER_ROW": False}
+        ptrs = {"a_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
+                "out_ptr": "*bf16"}
+        div16 = [*ptrs, "P", "R", "stride_am", "stride_w", "stride_s"]
+        src = _source(GluonASTSource, wgmma_gemm._wgmma_kernel, ptrs, consts, div16)
+        return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": c["BM"] // 16}),
+                             out, "_".join(f"{v}" for v in ("wgmma", *consts.values())))
     bk = cfg["BLOCK_K"]
     if cfg.pop("GEMV", False):  # the CUDA-core forward for one input row
         fn = gemm._w4a16_gemv_kernel
@@ -143,6 +156,8 @@ def _ptxas_report(k, out: Path | None, tag: str) -> dict:
             "sass_loop_instructions": loop["instructions"], "sass_loop_ops": loop["ops"],
             "shared_bytes": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "fma_f32": ptx.count("fma.rn.f32"),
+            # ptxas C7515: it made every wgmma wait for the previous one (the async pipeline is lost)
+            "wgmma_serialized": "C7515" in info,
             "memory_instructions": dict(sorted(collections.Counter(re.findall(MEM, ptx)).items()))}
 
 

@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--cudnn-attention", action="store_true", help="let SDPA use cuDNN attention (the stage's cudnn_attention)")
     ap.add_argument("--dequant-prefetch", choices=["on", "off", "both"], default="on",
                     help="the stage's dequant_prefetch for the NVFP4 base; both: one run each")
+    ap.add_argument("--nvfp4-gemm", nargs="+", choices=["auto", "fused"], default=["auto"], metavar="BACKEND",
+                    help="QERL_NVFP4_GEMM for the NVFP4 base, one run each (auto: dequantize + cuBLAS; fused: the "
+                         "fused kernels, wgmma on Hopper at this size)")
     ap.add_argument("--auto-gc", action="store_true",
                     help="leave Python's automatic garbage collection on during the update (the stage's manual_gc off)")
     ap.add_argument("--workdir", default="/tmp/qerl-bench")
@@ -84,8 +87,10 @@ def main() -> None:
     rollouts, rewards = make_shards(work, vocab, args.seqs, args.seq_len)
     rows = []
     prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.dequant_prefetch]
-    runs = [(b, p, mb) for mb in args.micro_batch_seqs for b in bases for p in (prefetch if b == "nvfp4" else [False])]
-    for base, pf, mb in runs:
+    runs = [(b, p, mb, gemm) for mb in args.micro_batch_seqs for b in bases
+            for gemm in (args.nvfp4_gemm if b == "nvfp4" else ["auto"])
+            for p in (prefetch if b == "nvfp4" and gemm == "auto" else [False])]
+    for base, pf, mb, gemm in runs:
         out = work / f"adapter-{base}-{int(time.time())}"
         cfg = json.dumps({"lora_rank": args.lora_rank, "lora_alpha": 2 * args.lora_rank, "gradient_checkpointing": True,
                           "micro_batch_tokens": mb * args.seq_len, "tis_cap": 2.0, "epochs": args.epochs,
@@ -94,11 +99,11 @@ def main() -> None:
         t0 = time.time()
         subprocess.run([sys.executable, "-m", "components.train", "--model", str(nvfp4 if base == "nvfp4" else bf16),
                         "--rollouts", rollouts, "--rewards", rewards, "--output", str(out), "--config-text", cfg],
-                       check=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                       check=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "QERL_NVFP4_GEMM": gemm,
                                         **({"QERL_PROFILE_DIR": f"{args.profile}/{base}"} if args.profile else {}),
                                         **({"QERL_SYNC_DEBUG": "1"} if args.sync_debug else {})})
         m = json.loads((out / "metrics.json").read_text())
-        rows.append({"shape": args.shape, "base": base, "tokens": args.seqs * args.seq_len,
+        rows.append({"shape": args.shape, "base": base, "nvfp4_gemm": gemm, "tokens": args.seqs * args.seq_len,
                      "micro_batch_tokens": mb * args.seq_len,
                      "update_tok_s": round(m["tokens_per_s"], 1), "update_s": round(m["seconds_update"], 2),
                      "epoch_s": [round(e["seconds"], 2) for e in m["epochs"]], "cudnn_attention": args.cudnn_attention,

@@ -203,6 +203,45 @@ def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
     assert r["sass_loop_ops"].get("LDGSTS", 0) >= 3 and r["sass_loop_instructions"] <= 245, r
 
 
+def test_wgmma_kernel_overlaps_decode_and_wgmma_without_spills_on_hopper():
+    """Compiled for sm_90a without a GPU (checked and timed on one by benchmarks/nvfp4_wgmma_check.py):
+    forward and dX of the many-rows kernel keep their wgmma asynchronous (one wait that leaves one
+    group in flight, and ptxas did not serialize them: C7515), decode into shared memory with
+    16-byte stores, get their operands by cp.async, and do not spill."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cfg = json.dumps({"WGMMA": True})
+    reports = []
+    for extra in ([], ["--dx"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *extra, "--config", cfg],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reports += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2
+    for r in reports:
+        mem = r["memory_instructions"]
+        assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"], r
+        assert r["wgmma"] == 8, r  # 4 × k16 per 64-deep step: step 0 peeled, then the loop
+        assert mem.get("st.shared.v4.b32", 0) >= 8 and mem.get("cp.async.cg.shared.global", 0) >= 6, r
+        assert r["sass_loop_ops"].get("HGMMA", 4) == 4 and r["sass_loop_instructions"] <= 320, r
+
+
+def test_wgmma_kernel_refuses_what_it_cannot_run():
+    """The wgmma kernel runs on Hopper GPUs only; elsewhere it says so, and the autotuned path
+    never routes to it (CPU tensors here)."""
+    from kernels.nvfp4 import gemm, wgmma_gemm
+
+    packed, scale, g = make_weight(256, 128, 0)
+    x = torch.randn(64, 128).bfloat16()
+    with pytest.raises(ValueError, match="CUDA GPUs only"):
+        wgmma_gemm.linear_wgmma(x, packed, scale, g)
+    assert not gemm._wgmma_fits(x, 64, 256, 128, False, g)
+    assert wgmma_gemm.supports(64, 256, 128, wgmma_gemm.DEFAULT_CONFIG)
+    assert not wgmma_gemm.supports(64, 576, 128, wgmma_gemm.DEFAULT_CONFIG)  # SmolLM2's 576 columns
+
+
 def test_pdl_kernels_wait_before_touching_the_input_or_output(tmp_path):
     """Compiled for sm_90a without a GPU: with PDL (programmatic dependent launch, the serving
     op's default) a kernel may run while the previous one in the stream still reads and writes

@@ -774,6 +774,19 @@ def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool
     )
 
 
+# From this many input rows on, the autotuned path (config None) hands Hopper GPUs to the wgmma
+# kernel of `wgmma_gemm` (decode into shared memory, then wgmma) where the shape fits it.
+WGMMA_MIN_M = int(os.environ.get("QERL_NVFP4_WGMMA_MIN_M", "64"))
+
+
+def _wgmma_fits(a2: torch.Tensor, m: int, n_out: int, red: int, trans_w: bool, g: torch.Tensor) -> bool:
+    if INTERPRET or m < WGMMA_MIN_M or a2.device.type != "cuda" or (trans_w and g.numel() != 1):
+        return False
+    from . import wgmma_gemm
+    return (wgmma_gemm.AVAILABLE and torch.cuda.get_device_capability(a2.device)[0] == 9
+            and wgmma_gemm.supports(m, n_out, red, wgmma_gemm.DEFAULT_CONFIG))
+
+
 def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias, trans_w: bool,
          config: Optional[dict] = None) -> torch.Tensor:
     R, C = weight_packed.shape[0], weight_packed.shape[1] * 2
@@ -802,7 +815,18 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
     common = dict(TRANS_W=trans_w, HAS_BIAS=has_bias, GROUP_M=8, GPU_MATH=not INTERPRET,
                   G_PER_ROW=g.numel() > 1)
 
-    if config is not None and config.get("DECODE"):
+    if config is not None and config.get("WGMMA") or config is None and _wgmma_fits(a2, M, n_out, red, trans_w, g):
+        from . import wgmma_gemm
+        if a2.stride(1) != 1 or a2.stride(0) % 8 or a2.data_ptr() % 16:  # it copies 16-byte vectors
+            a2 = torch.empty_like(a2, memory_format=torch.contiguous_format).copy_(a2)
+        if packed.data_ptr() % 16:
+            packed = packed.clone()
+        if scale.data_ptr() % 4:  # 4-byte copies of the block scales
+            scale = scale.clone()
+        cfg = {k: v for k, v in (config or {}).items() if k != "WGMMA"}
+        out = (wgmma_gemm.grad_input_wgmma(a2, packed, scale, g, cfg=cfg) if trans_w
+               else wgmma_gemm.linear_wgmma(a2, packed, scale, g, bias_arg if has_bias else None, cfg=cfg))
+    elif config is not None and config.get("DECODE"):
         from . import decode_gemm
         if trans_w:
             raise ValueError("the decode kernel (DECODE) is a forward kernel")
@@ -871,7 +895,9 @@ def linear_w4a16(
     (evict_first weight loads), SCALE_PAIRS (where `_scale_pairs` allows; default SCALE_PAIRS_DEFAULT),
     PDL (programmatic dependent launch, `_pdl_start`); or GEMV=True with BLOCK_N, BLOCK_K, SPLIT_K, num_warps for
     the CUDA-core kernel (M = 1, K % BLOCK_K == 0); or DECODE=True with RW, KV, SPLIT_K, num_warps for the
-    Gluon mma.sync kernel of `decode_gemm` (GPU only, M <= 16)."""
+    Gluon mma.sync kernel of `decode_gemm` (GPU only, M <= 16); or WGMMA=True with any of BM, BP, BR,
+    STAGES, GROUP_M for the Gluon wgmma kernel of `wgmma_gemm` (Hopper only). Without `_config`, Hopper
+    GPUs run that kernel from WGMMA_MIN_M rows on where the shape fits it."""
     n, _ = _check("linear_w4a16", x, weight_packed, weight_scale, weight_global_scale, True)
     if bias is not None:
         if bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32) \

@@ -1,0 +1,222 @@
+"""Check and time the wgmma NVFP4 GEMMs (kernels/nvfp4/wgmma_gemm.py) on a Hopper GPU.
+
+    python benchmarks/nvfp4_wgmma_check.py --out wgmma.json
+    python benchmarks/nvfp4_wgmma_check.py --m 256 4096 --configs '[{}, {"BP": 128, "STAGES": 6}]'
+
+1. Correctness against float32 math on the exact float32 dequantized weight (E2M1 · s / g) on the Qwen2.5-7B learner shapes (forward and dX) and vLLM's
+   fused q/k/v and gate/up (forward with one global scale per weight row and a bias), at M that
+   are and are not multiples of the tile, with zero, subnormal and 448 block scales in the
+   weight. Outputs are poisoned first (NaN in the caching allocator). Relative error (Frobenius)
+   must stay ≤ 1e-2; the kernel rounds only its output, so it is ~2e-3.
+2. Time (CUDA-graph replay of all weight/input sets, median; the sets rotate so that weights do
+   not stay in L2) per config against cuBLAS on the bf16 weight and against dequantize + cuBLAS
+   (what the learner does by default), with TFLOP/s. Prints a table; --out writes it as JSON.
+3. --layer-step: forward + dX through the 7 linears of one 7B decoder layer at 8 × 2,048 tokens,
+   wgmma vs bf16 weights (the learner's GEMM work per layer and micro-batch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LEARNER = [("q/o", 3584, 3584), ("k/v", 512, 3584), ("gate/up", 18944, 3584), ("down", 3584, 18944)]
+SERVING = [("qkv", 4608, 3584), ("gate_up", 37888, 3584)]  # vLLM's fused shards: per-row global scale
+LAYER = [("q", 3584, 3584), ("k", 512, 3584), ("v", 512, 3584), ("o", 3584, 3584),
+         ("gate", 18944, 3584), ("up", 18944, 3584), ("down", 3584, 18944)]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--m", type=int, nargs="+", default=[256, 4096], help="rows to time (default 256 4096)")
+    p.add_argument("--configs", type=json.loads, default=[{}],
+                   help="JSON list of configs to time, each merged into wgmma_gemm.DEFAULT_CONFIG")
+    p.add_argument("--rotate-mib", type=float, default=256.0, help="weights + inputs per timing, at least")
+    p.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph rep (ms)")
+    p.add_argument("--layer-step", action="store_true")
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--out", type=Path)
+    return p.parse_args(argv)
+
+
+def make_weight(torch, n: int, k: int, dev, per_row: bool = False, special: bool = False):
+    """A random NVFP4 weight (Triton quantizer), optionally with one global scale per row and with
+    zero, subnormal and 448 block scales planted."""
+    from kernels.nvfp4 import global_scale, quantize
+
+    w = (torch.randn(n, k, device=dev) * 0.02).bfloat16()
+    if per_row:  # fused shards: rows of very different magnitude, one divisor each
+        w = w * torch.logspace(-2, 1, n, device=dev).bfloat16()[:, None]
+        gs = torch.stack([global_scale(r) for r in w.float().split(1)]).reshape(n)
+        packed, scale, _ = quantize(w, gs.max().reshape(1))
+        return packed, scale, gs.float()
+    packed, scale, g = quantize(w, global_scale(w))
+    if special:
+        s = scale.view(torch.uint8)
+        s[::97] = 0x00  # zero
+        s[1::97, ::3] = 0x01  # the smallest subnormal, 2^-9
+        s[2::97, 1::3] = 0x7E  # 448
+    return packed, scale, g
+
+
+def check(torch, wg, dev) -> list[dict]:
+    """Every case against float32 math on the exact float32 Ŵ; output rounded to bf16 once."""
+    from kernels.nvfp4 import reference
+
+    rows = []
+    cases = [(n, nn, k, m, "fwd") for n, nn, k in LEARNER for m in (64, 200, 4096)]
+    cases += [(n, nn, k, m, "dX") for n, nn, k in LEARNER for m in (64, 200, 4096)]
+    cases += [(n, nn, k, m, "fwd-fused") for n, nn, k in SERVING for m in (256, 300)]
+    for name, n, k, m, op in cases:
+        q = make_weight(torch, n, k, dev, per_row=op == "fwd-fused", special=op != "fwd-fused")
+        # the exact float32 Ŵ: E2M1 · s (reference dequantize with g = 1), divided by g per row
+        w32 = reference.dequantize(q[0], q[1], torch.ones(1, device=dev), torch.float32) / q[2].reshape(-1, 1)
+        for cfg in ({}, {"BP": 128, "STAGES": 6}):
+            torch.full((m * max(n, k) * 2,), float("nan"), dtype=torch.bfloat16, device=dev)  # poison
+            if op == "dX":
+                dy = torch.randn(m, n, device=dev).bfloat16()
+                got, want = wg.grad_input_wgmma(dy, *q, cfg=cfg), (dy.float() @ w32).bfloat16()
+            else:
+                x = torch.randn(m, k, device=dev).bfloat16()
+                bias = torch.randn(n, device=dev).bfloat16() if op == "fwd-fused" else None
+                want = x.float() @ w32.t() + (0 if bias is None else bias.float())
+                got, want = wg.linear_wgmma(x, *q, bias, cfg=cfg), want.bfloat16()
+            err = float((got.float() - want.float()).norm() / want.float().norm())
+            ok = bool(torch.isfinite(got).all()) and err <= 1e-2
+            rows.append({"op": op, "shape": name, "M": m, "config": cfg, "rel_err": err, "ok": ok})
+            print(f"check {op:9s} {name:8s} M={m:5d} {json.dumps(cfg):28s} rel err {err:.2e} {'ok' if ok else 'BAD'}",
+                  flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import triton
+
+    from kernels.nvfp4 import wgmma_gemm as wg
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("needs a Hopper GPU (sm_90)", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    print(f"# {info}", flush=True)
+    checks = [] if args.skip_check else check(torch, wg, dev)
+
+    timings = []
+    shapes = [(n, nn, k, "fwd") for n, nn, k in LEARNER] + [(n, nn, k, "dX") for n, nn, k in LEARNER]
+    shapes += [(n, nn, k, "fwd") for n, nn, k in SERVING]
+    for name, n, k, op in shapes:
+        for m in args.m:
+            timings += time_case(torch, wg, name, n, k, op, m, args)
+            torch.cuda.empty_cache()
+
+    layer = layer_step(torch, wg, dev, args) if args.layer_step else None
+    bad = [c for c in checks if not c["ok"]]
+    result = {"info": info, "checks": checks, "timings": timings, "layer_step": layer, "bad": bad}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    print(f"\n{len(checks) - len(bad)}/{len(checks)} checks ok; {len(timings)} timings")
+    return 1 if bad else 0
+
+
+def time_case(torch, wg, name: str, n: int, k: int, op: str, m: int, args) -> list[dict]:
+    """Time every config on one (op, weight shape, M) against cuBLAS and dequantize + cuBLAS."""
+    from triton.testing import do_bench_cudagraph
+
+    from kernels.nvfp4 import triton_kernels
+
+    dev = torch.device("cuda")
+    red, p = (k, n) if op == "fwd" else (n, k)
+    n_sets = max(2, min(16, math.ceil(args.rotate_mib * 2**20 / (n * k * 2.56 + 2 * m * (k + n)))))
+    sets = []
+    for _ in range(n_sets):
+        q = make_weight(torch, n, k, dev, per_row=name in ("qkv", "gate_up"))
+        sets.append((torch.randn(m, red, device=dev).bfloat16(), q, triton_kernels.dequantize(*q, torch.bfloat16)))
+
+    def graph_ms(fn) -> float:
+        def all_sets():
+            for a, q, w in sets:
+                fn(a, q, w)
+        return do_bench_cudagraph(all_sets, rep=args.rep, return_mode="median") / n_sets
+
+    def oriented(w):
+        return w.t() if op == "fwd" else w
+
+    t_cub = graph_ms(lambda a, q, w: torch.matmul(a, oriented(w)))
+    t_deq = graph_ms(lambda a, q, w: torch.matmul(a, oriented(triton_kernels.dequantize(*q, torch.bfloat16))))
+    flops = 2.0 * m * n * k
+    rows = []
+    for cfg in args.configs:
+        if not wg.supports(m, p, red, {**wg.DEFAULT_CONFIG, **cfg}):
+            continue
+        gemm = wg.linear_wgmma if op == "fwd" else wg.grad_input_wgmma
+        try:
+            t = graph_ms(lambda a, q, w, c=cfg, f=gemm: f(a, *q, cfg=c))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile/launch is reported, not fatal
+            print(f"time {op} {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        row = {"op": op, "shape": name, "N": n, "K": k, "M": m, "config": cfg, "us": t * 1e3,
+               "us_cublas": t_cub * 1e3, "us_dequant_cublas": t_deq * 1e3,
+               "tflops": flops / t / 1e9, "tflops_cublas": flops / t_cub / 1e9,
+               "pct_cublas": 100 * t_cub / t, "pct_dequant_cublas": 100 * t_deq / t}
+        rows.append(row)
+        print(f"time {op:3s} {name:8s} M={m:5d} {json.dumps(cfg):28s} {t * 1e3:8.1f} us "
+              f"{row['tflops']:6.1f} TFLOP/s | cuBLAS {t_cub * 1e3:8.1f} ({row['pct_cublas']:5.1f} %) | "
+              f"dequant+cuBLAS {t_deq * 1e3:8.1f} ({row['pct_dequant_cublas']:5.1f} %)", flush=True)
+    return rows
+
+
+def layer_step(torch, wg, dev, args) -> dict:
+    """fwd + dX over the 7 linears of one 7B decoder layer, 8 × 2,048 tokens: wgmma vs bf16."""
+    from triton.testing import do_bench_cudagraph
+
+    from kernels.nvfp4 import triton_kernels
+
+    m = 8 * 2048
+    layers = []
+    for _, n, k in LAYER:
+        q = make_weight(torch, n, k, dev)
+        layers.append((q, triton_kernels.dequantize(*q, torch.bfloat16), torch.randn(m, k, device=dev).bfloat16(),
+                       torch.randn(m, n, device=dev).bfloat16()))
+
+    def nvfp4():
+        for q, _, x, dy in layers:
+            wg.linear_wgmma(x, *q)
+            wg.grad_input_wgmma(dy, *q)
+
+    def bf16():
+        for _, w, x, dy in layers:
+            torch.matmul(x, w.t())
+            torch.matmul(dy, w)
+
+    def deq():
+        for q, _, x, dy in layers:
+            w = triton_kernels.dequantize(*q, torch.bfloat16)
+            torch.matmul(x, w.t())
+            torch.matmul(dy, w)
+
+    res = {"M": m}
+    for name, fn in (("wgmma", nvfp4), ("bf16", bf16), ("dequant_cublas", deq)):
+        fn()
+        res[f"ms_{name}"] = do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
+    print(f"# layer step (7 linears, fwd + dX, M = {m}): wgmma {res['ms_wgmma']:.3f} ms, bf16 cuBLAS "
+          f"{res['ms_bf16']:.3f} ms, dequant + cuBLAS {res['ms_dequant_cublas']:.3f} ms", flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    rc = main()
+    print(f"# total {time.time() - t0:.0f} s")
+    sys.exit(rc)

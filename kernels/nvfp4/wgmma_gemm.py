@@ -1,0 +1,276 @@
+"""The NVFP4 W4A16 GEMMs for many rows (M ≥ 64) on Hopper: decode into shared memory, then wgmma.
+
+    out [M, P] = a [M, R] @ B,   B = Ŵᵀ (forward: a = x, Ŵ [P, R])  or  Ŵ (dX: a = dy, Ŵ [R, P])
+
+Ŵ the NVFP4 weight (packed E2M1 bytes, e4m3 block scales along Ŵ's columns, fp32 global
+scale). GPU only (sm_90: wgmma; Gluon does not run in Triton's interpreter): a test compiles
+it offline, `benchmarks/nvfp4_wgmma_check.py` checks and times it on a GPU.
+
+Why another kernel. The Triton tensor-core kernel of `gemm.py` decodes the weight into the
+wgmma A fragment in registers and waits for every wgmma before decoding the next K tile, so
+the tensor cores idle while the warps decode: 43-50 % of cuBLAS at M = 4096 on an H200, and
+its dX, whose packing runs along the output dimension, 30-33 % (NOTES.md, 2026-12-03). At
+many rows the decode is cheap (each weight is decoded once per BM rows of input); what
+matters is that the tensor cores never wait for it. Here:
+
+* every K step, all warps decode the step's weight tile [rows of Ŵ, columns of Ŵ] (always in
+  Ŵ's own layout, so forward and dX share the decode) from shared memory into a bf16 tile in
+  shared memory, in one of three buffers;
+* then each warp group issues its wgmma on (the input tile, that bf16 tile) asynchronously and
+  only waits for the *previous* step's wgmma (`warpgroup_mma_wait(1)`): the tensor cores
+  multiply step i while the warps decode step i + 1. The forward reads the bf16 tile
+  transposed (K-major B), dX as it is (N-major B); wgmma takes either for bf16;
+* the input tile, the packed weight and the block scales arrive by cp.async through a ring of
+  STAGES steps (STAGES - 2 ahead), so one CTA barrier per step covers both rings: after it,
+  every warp has finished the wgmma of step i - 2, whose slots are refilled.
+
+The decode is `gemm._DECODE_WORD_ASM` (one 32-bit word → 8 weights E2M1 · s · 2^-8, exact in
+bf16) with the scales of `gemm._SCALE_PAIR_ASM`; the epilogue multiplies by 2^8 and divides by
+the global scale (per output column in the forward, as vLLM's fused q/k/v and gate/up need),
+adds the bias and rounds to bf16 once. So the result is the float32-accumulated product with
+the exact float32 dequantized weight, like every other kernel of this package.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with triton >= 3.5; its API is experimental and changes between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    AVAILABLE = True
+except ImportError:  # pragma: no cover
+    AVAILABLE = False
+
+from .gemm import _DECODE_WORD_ASM, _SCALE_BIAS, _SCALE_PAIR_ASM
+
+__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "grad_input_wgmma", "linear_wgmma", "supports"]
+
+# BM input rows × BP output columns per CTA (BM / 16 warps: 64 rows per warp group), BR of the
+# reduction per step. 128 × 256 × 64 with 5 stages uses ~221 KB of the H100/H200's 227 KB.
+DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8}
+
+
+def supports(m: int, p: int, r: int, cfg: dict) -> bool:
+    """Whether a config fits out [m, p] = a [m, r] @ B: whole tiles along P and R (M is masked)."""
+    return m >= 1 and p % cfg["BP"] == 0 and r % cfg["BR"] == 0
+
+
+if AVAILABLE:
+    _SCALE_BIAS_C = gl.constexpr(_SCALE_BIAS)
+
+    if hasattr(gl, "thread_barrier"):  # triton 3.6 (the GPU image)
+        @gluon.jit
+        def _cta_barrier():
+            gl.thread_barrier()
+    else:  # triton 3.9 renamed it
+        @gluon.jit
+        def _cta_barrier():
+            gl.barrier()
+
+    if hasattr(async_copy, "async_load"):  # triton 3.9
+        @gluon.jit
+        def _copy_to_shared(smem, ptrs):
+            async_copy.async_load(smem, ptrs)
+    else:  # triton 3.6
+        @gluon.jit
+        def _copy_to_shared(smem, ptrs):
+            async_copy.async_copy_global_to_shared(smem, ptrs)
+
+    @gluon.constexpr_function
+    def _rows_layout(cols, per_thread, warps):
+        """[rows, cols] with `per_thread` contiguous columns per thread, a row's threads adjacent."""
+        tc = cols // per_thread
+        return gl.BlockedLayout([1, per_thread], [32 // tc, tc], [warps, 1], [1, 0])
+
+    @gluon.jit
+    def _decode_tile(w, pairs, WR: gl.constexpr, WC: gl.constexpr, w_lay: gl.constexpr):
+        """int32 words w [WR, WC/8] (4 per thread) and int16 scale pairs [WR, WC/32] (1 per thread,
+        the pair of those 4 words) → the weights [WR, WC] bf16 (· 2^-8) in Ŵ's column order."""
+        s0, s1 = gl.inline_asm_elementwise(_SCALE_PAIR_ASM.value, "=r,=r,h", [pairs],
+                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        # words 4p, 4p + 1 are block 2p (the pair's low byte), words 4p + 2, 4p + 3 block 2p + 1
+        sw = gl.reshape(gl.join(gl.join(s0, s0), gl.join(s1, s1)), [WR, WC // 8])
+        sw = gl.convert_layout(sw, w_lay, assert_trivial=True)
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _DECODE_WORD_ASM.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, sw],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        # output 4ν + 2j + h is nibble ν of byte j + 2h, i.e. code 4h + 2j + ν of the word
+        v = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+        v = gl.permute(v, [0, 1, 4, 3, 2])  # [WR, WC/8, ν, j, h] → [.., h, j, ν]
+        return gl.reshape(v, [WR, WC])
+
+    @gluon.jit
+    def _k_step(i, acc, a_ring, w_ring, s_ring, d_ring, a_ptrs, w_ptrs, s_ptrs, w_step, s_step, n_k,
+                FORWARD: gl.constexpr, BR: gl.constexpr, WR: gl.constexpr, WC: gl.constexpr,
+                STAGES: gl.constexpr, w_lay: gl.constexpr, p_lay: gl.constexpr):
+        """One K step: decode step i, multiply it (async), refill the ring slot of step i - 2."""
+        slot = i % STAGES
+        # decode step i into bf16 buffer i % 3 (last read by the wgmma of step i - 3: finished,
+        # every warp waited for it before the previous barrier)
+        w = w_ring.index(slot).load(w_lay)
+        pairs = s_ring.index(slot).load(p_lay)
+        d = d_ring.index(i % 3)
+        d.store(_decode_tile(w, pairs, WR, WC, w_lay))
+        fence_async_shared()  # the decoded tile is visible to the wgmma (async proxy)
+        async_copy.wait_group(STAGES - 4)  # step i + 1 has landed (this thread's copies)
+        _cta_barrier()  # everyone's decode of step i and copies of step i + 1 are done
+        if FORWARD:
+            b = d.permute((1, 0))  # [BR, BP], K-major
+        else:
+            b = d  # [BR, BP], N-major
+        acc = warpgroup_mma(a_ring.index(slot), b, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # this warp group's step i - 1 is done
+        # every warp passed the barrier above after waiting for its step i - 2: refill that slot
+        nxt = i + STAGES - 2
+        if nxt < n_k:
+            fill = nxt % STAGES
+            _copy_to_shared(a_ring.index(fill), a_ptrs + nxt * BR)
+            _copy_to_shared(w_ring.index(fill), w_ptrs + nxt * w_step)
+            _copy_to_shared(s_ring.index(fill), s_ptrs + nxt * s_step)
+        async_copy.commit_group()
+        return acc
+
+    @gluon.jit
+    def _wgmma_kernel(
+        a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, out_ptr,
+        M, P, R, stride_am, stride_w, stride_s,
+        FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
+        STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+    ):
+        W: gl.constexpr = gl.num_warps()
+        # the weight tile of a step in Ŵ's layout: [BP, BR] (forward) or [BR, BP] (dX)
+        WR: gl.constexpr = BP if FORWARD else BR
+        WC: gl.constexpr = BR if FORWARD else BP
+        a_lay: gl.constexpr = _rows_layout(BR, 8, W)  # 16-byte copies
+        w_lay: gl.constexpr = _rows_layout(WC // 8, 4, W)  # 4 words = 16 bytes per thread
+        p_lay: gl.constexpr = _rows_layout(WC // 32, 1, W)  # the scale pair of those 4 words
+        sc_lay: gl.constexpr = _rows_layout(WC // 32, 2, W)  # scales copied 4 bytes at a time
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BP, 16])
+        a_smem_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        d_smem_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+        # grouped order: GROUP_M row tiles run next to each other on one column tile (L2 reuse)
+        pid = gl.program_id(0)
+        tiles_m = gl.cdiv(M, BM)
+        tiles_p = P // BP
+        per_group = GROUP_M * tiles_p
+        first_m = (pid // per_group) * GROUP_M
+        group_m = gl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_p = (pid % per_group) // group_m
+        off_m = pid_m * BM
+        off_p = pid_p * BP
+
+        # pointers of step 0; a step advances them by BR along the reduction
+        am = gl.minimum(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, a_lay)), M - 1)  # rows ≥ M: never stored
+        ak = gl.arange(0, BR, layout=gl.SliceLayout(0, a_lay))
+        a_ptrs = a_ptr + am.to(gl.int64)[:, None] * stride_am + ak[None, :]
+        wr = gl.arange(0, WR, layout=gl.SliceLayout(1, w_lay))
+        wc = gl.arange(0, WC // 8, layout=gl.SliceLayout(0, w_lay))
+        sr = gl.arange(0, WR, layout=gl.SliceLayout(1, sc_lay))
+        scc = gl.arange(0, WC // 32, layout=gl.SliceLayout(0, sc_lay))
+        if FORWARD:  # rows off_p + r, columns (the reduction) from 0
+            w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + (off_p + wr).to(gl.int64)[:, None] * (stride_w // 4)
+                      + wc[None, :])
+            s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + (off_p + sr).to(gl.int64)[:, None] * (stride_s // 2)
+                      + scc[None, :])
+            w_step = BR // 8
+            s_step = BR // 32
+        else:  # rows (the reduction) from 0, columns off_p + c
+            w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + wr.to(gl.int64)[:, None] * (stride_w // 4)
+                      + (off_p // 8 + wc)[None, :])
+            s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + sr.to(gl.int64)[:, None] * (stride_s // 2)
+                      + (off_p // 32 + scc)[None, :])
+            w_step = BR * (stride_w // 4)
+            s_step = BR * (stride_s // 2)
+
+        a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BR], a_smem_lay)
+        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, WR, WC // 8], flat)
+        s_ring = gl.allocate_shared_memory(gl.int16, [STAGES, WR, WC // 32], flat)
+        d_ring = gl.allocate_shared_memory(gl.bfloat16, [3, WR, WC], d_smem_lay)
+
+        n_k = R // BR
+        for j in gl.static_range(STAGES - 2):  # steps 0 .. STAGES - 3, one commit group each
+            if j < n_k:
+                _copy_to_shared(a_ring.index(j), a_ptrs + j * BR)
+                _copy_to_shared(w_ring.index(j), w_ptrs + j * w_step)
+                _copy_to_shared(s_ring.index(j), s_ptrs + j * s_step)
+            async_copy.commit_group()
+        async_copy.wait_group(STAGES - 3)  # step 0 has landed (this thread's copies) ...
+        _cta_barrier()  # ... and everyone's
+
+        # step 0 outside the loop: were the zeros on a path that skips the loop to the final wait,
+        # ptxas would serialize every wgmma (C7515, "non wgmma instructions defining accumulator
+        # registers ... between start and end of the pipeline stage")
+        acc = gl.zeros([BM, BP], gl.float32, layout=mma)
+        acc = _k_step(0, acc, a_ring, w_ring, s_ring, d_ring, a_ptrs, w_ptrs, s_ptrs, w_step, s_step, n_k,
+                      FORWARD, BR, WR, WC, STAGES, w_lay, p_lay)
+        for i in range(1, n_k):
+            acc = _k_step(i, acc, a_ring, w_ring, s_ring, d_ring, a_ptrs, w_ptrs, s_ptrs, w_step, s_step, n_k,
+                          FORWARD, BR, WR, WC, STAGES, w_lay, p_lay)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        async_copy.wait_group(0)
+
+        rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+        rp = off_p + gl.arange(0, BP, layout=gl.SliceLayout(0, mma))
+        # one division per column (or per kernel), not per output: 2^8 / g
+        if G_PER_ROW:
+            y = acc * gl.div_rn(gl.full([BP], _SCALE_BIAS_C, gl.float32, gl.SliceLayout(0, mma)),
+                                gl.load(g_ptr + rp))[None, :]
+        else:
+            y = acc * gl.div_rn(_SCALE_BIAS_C, gl.load(g_ptr))
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + rp).to(gl.float32)[None, :]
+        out_offs = rm.to(gl.int64)[:, None] * P + rp[None, :]
+        gl.store(out_ptr + out_offs, y.to(gl.bfloat16), mask=(rm < M)[:, None] & (rp >= 0)[None, :])
+
+
+def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+            bias: torch.Tensor | None, forward: bool, cfg: dict | None) -> torch.Tensor:
+    cfg = {**DEFAULT_CONFIG, **(cfg or {})}
+    m, r = a.shape
+    p = packed.shape[0] if forward else packed.shape[1] * 2
+    if not a.is_cuda:
+        raise ValueError("the wgmma kernel (Gluon) runs on CUDA GPUs only; Triton's interpreter does not run Gluon")
+    if not AVAILABLE or torch.cuda.get_device_capability(a.device)[0] != 9:
+        raise ValueError("the wgmma kernel needs Gluon and a Hopper GPU (sm_90)")
+    if not supports(m, p, r, cfg):
+        raise ValueError(f"the wgmma kernel needs P % {cfg['BP']} == 0 and R % {cfg['BR']} == 0 "
+                         f"(got M={m}, P={p}, R={r})")
+    if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or packed.stride(0) % 16 or packed.data_ptr() % 16:
+        raise ValueError("the wgmma kernel copies the input and the packed weight in 16-byte vectors: both need "
+                         "16-byte aligned rows")
+    if scale.stride(0) % 4 or scale.data_ptr() % 4:
+        raise ValueError("the wgmma kernel copies the block scales in 4-byte vectors: their rows need a stride "
+                         "and an address that are multiples of 4")
+    g = global_scale.reshape(-1)
+    if not forward and g.numel() != 1:
+        raise ValueError("dX needs one global scale (a per-row scale of Ŵ does not factor out of the reduction)")
+    out = torch.empty((m, p), dtype=torch.bfloat16, device=a.device)
+    grid = (-(-m // cfg["BM"]) * (p // cfg["BP"]),)
+    _wgmma_kernel[grid](
+        a, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out,
+        m, p, r, a.stride(0), packed.stride(0), scale.stride(0),
+        FORWARD=forward, BM=cfg["BM"], BP=cfg["BP"], BR=cfg["BR"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+        HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1, num_warps=cfg["BM"] // 16,
+    )
+    return out
+
+
+def linear_wgmma(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
+    """y [M, N] bf16 = x [M, K] bf16 @ Ŵᵀ (+ bias), Ŵ [N, K]; one global scale or one per row of Ŵ."""
+    return _launch(x, packed, scale, global_scale, bias, True, cfg)
+
+
+def grad_input_wgmma(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     cfg: dict | None = None) -> torch.Tensor:
+    """dx [M, K] bf16 = dy [M, N] bf16 @ Ŵ, Ŵ [N, K] with one global scale."""
+    return _launch(dy, packed, scale, global_scale, None, False, cfg)
