@@ -3,14 +3,15 @@
     python benchmarks/nvfp4_wgmma_check.py --out wgmma.json
     python benchmarks/nvfp4_wgmma_check.py --m 256 4096 --configs '[{}, {"BP": 128, "STAGES": 6}]'
 
-1. Correctness against float32 math on the exact float32 dequantized weight (E2M1 · s / g) on the Qwen2.5-7B learner shapes (forward and dX) and vLLM's
-   fused q/k/v and gate/up (forward with one global scale per weight row and a bias), at M that
-   are and are not multiples of the tile, with zero, subnormal and 448 block scales in the
-   weight. Outputs are poisoned first (NaN in the caching allocator). Relative error (Frobenius)
-   must stay ≤ 1e-2; the kernel rounds only its output, so it is ~2e-3.
+1. Correctness with every config of --configs against float32 math on the exact float32
+   dequantized weight (E2M1 · s / g): the Qwen2.5-7B learner shapes (forward and dX) and vLLM's
+   fused q/k/v and gate/up (forward, one global scale per weight row, a bias), at M that are and
+   are not multiples of the tile, with zero, subnormal and 448 block scales in the weight.
+   Outputs are poisoned first (NaN in the caching allocator). Relative error (Frobenius) must
+   stay ≤ 1e-2; the kernel rounds only its output, so it is ~2e-3.
 2. Time (CUDA-graph replay of all weight/input sets, median; the sets rotate so that weights do
    not stay in L2) per config against cuBLAS on the bf16 weight and against dequantize + cuBLAS
-   (what the learner does by default), with TFLOP/s. Prints a table; --out writes it as JSON.
+   (what the learner does by default), with TFLOP/s, one line each; --out writes all as JSON.
 3. --layer-step: forward + dX through the 7 linears of one 7B decoder layer at 8 × 2,048 tokens,
    wgmma vs bf16 weights (the learner's GEMM work per layer and micro-batch).
 """
@@ -52,12 +53,9 @@ def make_weight(torch, n: int, k: int, dev, per_row: bool = False, special: bool
     from kernels.nvfp4 import global_scale, quantize
 
     w = (torch.randn(n, k, device=dev) * 0.02).bfloat16()
-    if per_row:  # fused shards: rows of very different magnitude, one divisor each
-        w = w * torch.logspace(-2, 1, n, device=dev).bfloat16()[:, None]
-        gs = torch.stack([global_scale(r) for r in w.float().split(1)]).reshape(n)
-        packed, scale, _ = quantize(w, gs.max().reshape(1))
-        return packed, scale, gs.float()
     packed, scale, g = quantize(w, global_scale(w))
+    if per_row:  # fused shards keep one divisor each: rows divided by 0.5-2x the tensor's
+        return packed, scale, (g * torch.logspace(-1, 1, n, base=2.0, device=dev)).float()
     if special:
         s = scale.view(torch.uint8)
         s[::97] = 0x00  # zero
@@ -66,7 +64,7 @@ def make_weight(torch, n: int, k: int, dev, per_row: bool = False, special: bool
     return packed, scale, g
 
 
-def check(torch, wg, dev) -> list[dict]:
+def check(torch, wg, dev, configs: list[dict]) -> list[dict]:
     """Every case against float32 math on the exact float32 Ŵ; output rounded to bf16 once."""
     from kernels.nvfp4 import reference
 
@@ -78,7 +76,7 @@ def check(torch, wg, dev) -> list[dict]:
         q = make_weight(torch, n, k, dev, per_row=op == "fwd-fused", special=op != "fwd-fused")
         # the exact float32 Ŵ: E2M1 · s (reference dequantize with g = 1), divided by g per row
         w32 = reference.dequantize(q[0], q[1], torch.ones(1, device=dev), torch.float32) / q[2].reshape(-1, 1)
-        for cfg in ({}, {"BP": 128, "STAGES": 6}):
+        for cfg in configs:
             torch.full((m * max(n, k) * 2,), float("nan"), dtype=torch.bfloat16, device=dev)  # poison
             if op == "dX":
                 dy = torch.randn(m, n, device=dev).bfloat16()
@@ -110,7 +108,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     print(f"# {info}", flush=True)
-    checks = [] if args.skip_check else check(torch, wg, dev)
+    checks = [] if args.skip_check else check(torch, wg, dev, args.configs)
 
     timings = []
     shapes = [(n, nn, k, "fwd") for n, nn, k in LEARNER] + [(n, nn, k, "dX") for n, nn, k in LEARNER]

@@ -103,24 +103,57 @@ class _DequantCuBLAS:
         return triton_kernels.dequantize(packed, scale, gscale, dtype)
 
 
+class _Wgmma:
+    """Hopper: the wgmma kernel of `wgmma_gemm` (decode into shared memory, async wgmma; Ŵ never
+    in HBM) wherever `gemm._wgmma_fits` (≥ gemm.WGMMA_MIN_M rows, whole tiles), else dequantize +
+    cuBLAS."""
+
+    name = "wgmma"
+
+    @staticmethod
+    def linear_w4a16(x2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None) -> Tensor:
+        gemm = _fused()
+        if gemm._wgmma_fits(x2, x2.shape[0], packed.shape[0], x2.shape[1], False, gscale.reshape(-1)):
+            return gemm.linear_w4a16(x2, packed, scale, gscale, bias)
+        w = _DequantCuBLAS.dequantize(packed, scale, gscale, x2.dtype)
+        return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+
+    @staticmethod
+    def grad_input_w4a16(dy2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+        gemm = _fused()
+        if gemm._wgmma_fits(dy2, dy2.shape[0], packed.shape[1] * 2, dy2.shape[1], True, gscale.reshape(-1)):
+            return gemm.grad_input_w4a16(dy2, packed, scale, gscale)
+        return dy2 @ _DequantCuBLAS.dequantize(packed, scale, gscale, dy2.dtype)
+
+
+# Whether 'auto' takes `_Wgmma` on Hopper GPUs (else dequant+cuBLAS everywhere on CUDA).
+AUTO_WGMMA = False
+
+
 def _backend(x: Tensor):
-    """THE choice of GEMM implementation. QERL_NVFP4_GEMM: 'auto' (default: dequant+cublas for
-    bf16 CUDA activations, the reference otherwise), 'fused' (the fused Triton kernels of
-    kernels/nvfp4/gemm.py, for bf16 activations on CUDA, or on the CPU under TRITON_INTERPRET=1,
-    which tests use), 'reference' (byte-table dequantize + matmul; debugging, A/B)."""
+    """THE choice of GEMM implementation. QERL_NVFP4_GEMM: 'auto' (default: on Hopper GPUs
+    `_Wgmma` when AUTO_WGMMA, else dequant+cublas for bf16 CUDA activations; the reference
+    otherwise), 'wgmma' (`_Wgmma` on a Hopper GPU), 'dequant' (dequant+cublas on CUDA), 'fused'
+    (the fused Triton kernels of kernels/nvfp4/gemm.py, for bf16 activations on CUDA, or on the
+    CPU under TRITON_INTERPRET=1, which tests use), 'reference' (byte-table dequantize + matmul;
+    debugging, A/B)."""
     return _backend_for(x.device, x.dtype)
 
 
 def _backend_for(device: torch.device, dtype: torch.dtype):
     choice = os.environ.get("QERL_NVFP4_GEMM", "auto")
-    if choice not in ("auto", "fused", "reference"):
-        raise ValueError(f"QERL_NVFP4_GEMM must be auto, fused or reference, not {choice!r}")
+    if choice not in ("auto", "wgmma", "dequant", "fused", "reference"):
+        raise ValueError(f"QERL_NVFP4_GEMM must be auto, wgmma, dequant, fused or reference, not {choice!r}")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if choice == "fused" and dtype == torch.bfloat16 and (device.type == "cuda" or interpreted):
         fused = _fused()
         if fused is not None:
             return fused
-    if device.type == "cuda" and dtype == torch.bfloat16 and choice != "reference":
+    cuda_bf16 = device.type == "cuda" and dtype == torch.bfloat16
+    if (choice == "wgmma" or choice == "auto" and AUTO_WGMMA) and cuda_bf16 and _fused() is not None \
+            and torch.cuda.get_device_capability(device)[0] == 9:
+        return _Wgmma
+    if cuda_bf16 and choice != "reference":
         return _DequantCuBLAS
     return _Reference
 

@@ -105,10 +105,12 @@ def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
     return split
 
 
-def config_for(m: int, n: int, k: int, sms: int, decode: bool = True) -> Optional[dict]:
+def config_for(m: int, n: int, k: int, sms: int, decode: bool = True, wgmma: bool = False) -> Optional[dict]:
     """The forced config for an [m, k] x [n, k]ᵀ forward, or None for dequantize + cuBLAS.
     `decode`: whether the Gluon decode kernel can run here (a CUDA GPU, not the interpreter);
-    its configs are passed over where it cannot or where the shape does not fit them."""
+    its configs are passed over where it cannot or where the shape does not fit them.
+    `wgmma`: whether the Gluon wgmma kernel can run here (Hopper); it takes what neither table
+    covers where the shape fits it with at least one CTA per SM (fewer leave SMs idle)."""
     def usable(cfg: dict) -> bool:
         if cfg.get("DECODE"):
             from . import decode_gemm
@@ -125,6 +127,11 @@ def config_for(m: int, n: int, k: int, sms: int, decode: bool = True) -> Optiona
             bm = 1 if cfg.get("GEMV") else cfg["BLOCK_M"]
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, cfg["BLOCK_N"])
             return dict(cfg, SPLIT_K=_split_k(tiles, k // cfg["BLOCK_K"], sms))
+    if wgmma:
+        from . import wgmma_gemm
+        c = wgmma_gemm.DEFAULT_CONFIG
+        if wgmma_gemm.AVAILABLE and wgmma_gemm.supports(m, n, k, c) and triton.cdiv(m, c["BM"]) * (n // c["BP"]) >= sms:
+            return {"WGMMA": True}
     return None
 
 
@@ -133,6 +140,12 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def _wgmma_runs(device: torch.device) -> bool:
+    """Whether the Gluon wgmma kernel runs here: a Hopper GPU (sm_90)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @functools.lru_cache(maxsize=8)
@@ -159,7 +172,8 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row
 
     m, k = x.shape
     n = packed.shape[0]
-    cfg = config_for(m, n, k, _num_sms(x.device), decode=_decode_runs(x.device) and not gemm.INTERPRET)
+    cfg = config_for(m, n, k, _num_sms(x.device), decode=_decode_runs(x.device) and not gemm.INTERPRET,
+                     wgmma=_wgmma_runs(x.device) and not gemm.INTERPRET)
     if cfg is not None and os.environ.get(PDL_ENV, "0") == "1":
         cfg["PDL"] = True  # the kernel may start while the previous one finishes (gemm._pdl_start)
     if cfg is None:  # per-row divisors are handled by the bf16 dequantize too

@@ -94,15 +94,16 @@ if AVAILABLE:
         the pair of those 4 words) → the weights [WR, WC] bf16 (· 2^-8) in Ŵ's column order."""
         s0, s1 = gl.inline_asm_elementwise(_SCALE_PAIR_ASM.value, "=r,=r,h", [pairs],
                                            dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-        # words 4p, 4p + 1 are block 2p (the pair's low byte), words 4p + 2, 4p + 3 block 2p + 1
-        sw = gl.reshape(gl.join(gl.join(s0, s0), gl.join(s1, s1)), [WR, WC // 8])
+        # words 4p, 4p + 1 are block 2p (the pair's low byte), words 4p + 2, 4p + 3 block 2p + 1.
+        # join adds a new minor dimension: [WR, WC/32, block, copy] → word 4p + 2·block + copy
+        sw = gl.reshape(gl.join(gl.join(s0, s1), gl.join(s0, s1)), [WR, WC // 8])
         sw = gl.convert_layout(sw, w_lay, assert_trivial=True)
         o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
             _DECODE_WORD_ASM.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, sw],
             dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-        # output 4ν + 2j + h is nibble ν of byte j + 2h, i.e. code 4h + 2j + ν of the word
+        # output 4ν + 2j + h is nibble ν of byte j + 2h, i.e. code 4h + 2j + ν of the word; each join
+        # adds the minor dimension, so this is [WR, WC/8, h, j, ν]: the codes in memory order
         v = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
-        v = gl.permute(v, [0, 1, 4, 3, 2])  # [WR, WC/8, ν, j, h] → [.., h, j, ν]
         return gl.reshape(v, [WR, WC])
 
     @gluon.jit
