@@ -93,7 +93,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         consts = {"FORWARD": not trans_w, **{k: c[k] for k in ("BM", "BP", "BR", "STAGES", "GROUP_M")},
                   "HAS_BIAS": False, "G_PER_ROW": False}
         ptrs = {"a_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
-                "out_ptr": "*bf16"}
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
         div16 = [*ptrs, "P", "R", "stride_am", "stride_w", "stride_s"]
         src = _source(GluonASTSource, wgmma_gemm._wgmma_kernel, ptrs, consts, div16)
         return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": c["BM"] // 16}),

@@ -47,13 +47,15 @@ try:  # Gluon ships with triton >= 3.5; its API is experimental and changes betw
 except ImportError:  # pragma: no cover
     AVAILABLE = False
 
-from .gemm import _DECODE_WORD_ASM, _SCALE_BIAS, _SCALE_PAIR_ASM
+from .gemm import _DECODE_WORD_ASM, _SCALE_BIAS, _SCALE_PAIR_ASM, _counters
 
 __all__ = ["AVAILABLE", "DEFAULT_CONFIG", "grad_input_wgmma", "linear_wgmma", "supports"]
 
 # BM input rows × BP output columns per CTA (BM / 16 warps: 64 rows per warp group), BR of the
 # reduction per step. 128 × 256 × 64 with 5 stages uses ~221 KB of the H100/H200's 227 KB.
-DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8}
+# SPLIT_K > 1 splits the reduction over that many programs per tile (fp32 partials in a
+# workspace, the last to arrive sums them in split order): for few tiles (serving-sized M).
+DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8, "SPLIT_K": 1}
 
 
 def supports(m: int, p: int, r: int, cfg: dict) -> bool:
@@ -107,6 +109,19 @@ if AVAILABLE:
         return gl.reshape(v, [WR, WC])
 
     @gluon.jit
+    def _epilogue(acc, g_ptr, bias_ptr, out_ptr, out_offs, out_mask, rp, BP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  G_PER_ROW: gl.constexpr, mma: gl.constexpr):
+        """out = acc · 2^8 / g (+ bias), rounded to bf16 once; one division per column (or per kernel)."""
+        if G_PER_ROW:
+            y = acc * gl.div_rn(gl.full([BP], _SCALE_BIAS_C, gl.float32, gl.SliceLayout(0, mma)),
+                                gl.load(g_ptr + rp))[None, :]
+        else:
+            y = acc * gl.div_rn(_SCALE_BIAS_C, gl.load(g_ptr))
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + rp).to(gl.float32)[None, :]
+        gl.store(out_ptr + out_offs, y.to(gl.bfloat16), mask=out_mask)
+
+    @gluon.jit
     def _k_step(i, acc, a_ring, w_ring, s_ring, d_ring, a_ptrs, w_ptrs, s_ptrs, w_step, s_step, n_k,
                 FORWARD: gl.constexpr, BR: gl.constexpr, WR: gl.constexpr, WC: gl.constexpr,
                 STAGES: gl.constexpr, w_lay: gl.constexpr, p_lay: gl.constexpr):
@@ -139,8 +154,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _wgmma_kernel(
-        a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, out_ptr,
-        M, P, R, stride_am, stride_w, stride_s,
+        a_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, P, R, stride_am, stride_w, stride_s, SPLIT_K,
         FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
         STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
     ):
@@ -168,26 +183,30 @@ if AVAILABLE:
         pid_p = (pid % per_group) // group_m
         off_m = pid_m * BM
         off_p = pid_p * BP
+        # split-K: this program's steps [k0, k0 + n_k) of the reduction (the launcher makes none empty)
+        per_split = gl.cdiv(R // BR, SPLIT_K)
+        k0 = gl.program_id(1) * per_split
+        n_k = gl.minimum(per_split, R // BR - k0)
 
         # pointers of step 0; a step advances them by BR along the reduction
         am = gl.minimum(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, a_lay)), M - 1)  # rows ≥ M: never stored
         ak = gl.arange(0, BR, layout=gl.SliceLayout(0, a_lay))
-        a_ptrs = a_ptr + am.to(gl.int64)[:, None] * stride_am + ak[None, :]
+        a_ptrs = a_ptr + am.to(gl.int64)[:, None] * stride_am + (k0 * BR + ak)[None, :]
         wr = gl.arange(0, WR, layout=gl.SliceLayout(1, w_lay))
         wc = gl.arange(0, WC // 8, layout=gl.SliceLayout(0, w_lay))
         sr = gl.arange(0, WR, layout=gl.SliceLayout(1, sc_lay))
         scc = gl.arange(0, WC // 32, layout=gl.SliceLayout(0, sc_lay))
-        if FORWARD:  # rows off_p + r, columns (the reduction) from 0
+        if FORWARD:  # rows off_p + r, columns (the reduction) from k0
             w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + (off_p + wr).to(gl.int64)[:, None] * (stride_w // 4)
-                      + wc[None, :])
+                      + (k0 * (BR // 8) + wc)[None, :])
             s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + (off_p + sr).to(gl.int64)[:, None] * (stride_s // 2)
-                      + scc[None, :])
+                      + (k0 * (BR // 32) + scc)[None, :])
             w_step = BR // 8
             s_step = BR // 32
-        else:  # rows (the reduction) from 0, columns off_p + c
-            w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + wr.to(gl.int64)[:, None] * (stride_w // 4)
+        else:  # rows (the reduction) from k0, columns off_p + c
+            w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + (k0 * BR + wr).to(gl.int64)[:, None] * (stride_w // 4)
                       + (off_p // 8 + wc)[None, :])
-            s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + sr.to(gl.int64)[:, None] * (stride_s // 2)
+            s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + (k0 * BR + sr).to(gl.int64)[:, None] * (stride_s // 2)
                       + (off_p // 32 + scc)[None, :])
             w_step = BR * (stride_w // 4)
             s_step = BR * (stride_s // 2)
@@ -197,7 +216,6 @@ if AVAILABLE:
         s_ring = gl.allocate_shared_memory(gl.int16, [STAGES, WR, WC // 32], flat)
         d_ring = gl.allocate_shared_memory(gl.bfloat16, [3, WR, WC], d_smem_lay)
 
-        n_k = R // BR
         for j in gl.static_range(STAGES - 2):  # steps 0 .. STAGES - 3, one commit group each
             if j < n_k:
                 _copy_to_shared(a_ring.index(j), a_ptrs + j * BR)
@@ -221,16 +239,21 @@ if AVAILABLE:
 
         rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
         rp = off_p + gl.arange(0, BP, layout=gl.SliceLayout(0, mma))
-        # one division per column (or per kernel), not per output: 2^8 / g
-        if G_PER_ROW:
-            y = acc * gl.div_rn(gl.full([BP], _SCALE_BIAS_C, gl.float32, gl.SliceLayout(0, mma)),
-                                gl.load(g_ptr + rp))[None, :]
-        else:
-            y = acc * gl.div_rn(_SCALE_BIAS_C, gl.load(g_ptr))
-        if HAS_BIAS:
-            y += gl.load(bias_ptr + rp).to(gl.float32)[None, :]
         out_offs = rm.to(gl.int64)[:, None] * P + rp[None, :]
-        gl.store(out_ptr + out_offs, y.to(gl.bfloat16), mask=(rm < M)[:, None] & (rp >= 0)[None, :])
+        out_mask = (rm < M)[:, None] & (rp >= 0)[None, :]
+        if SPLIT_K == 1:
+            _epilogue(acc, g_ptr, bias_ptr, out_ptr, out_offs, out_mask, rp, BP, HAS_BIAS, G_PER_ROW, mma)
+        else:  # fp32 partials; the last split to arrive sums them in split order (deterministic)
+            gl.store(ws_ptr + (gl.program_id(1) * M).to(gl.int64) * P + out_offs, acc, mask=out_mask)
+            _cta_barrier()  # every thread's partial is written before the release below
+            arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = gl.zeros([BM, BP], gl.float32, layout=mma)
+                for sp in range(0, SPLIT_K):
+                    total += gl.load(ws_ptr + (sp * M).to(gl.int64) * P + out_offs, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                _epilogue(total, g_ptr, bias_ptr, out_ptr, out_offs, out_mask, rp, BP, HAS_BIAS, G_PER_ROW, mma)
+                gl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -255,10 +278,13 @@ def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_s
     if not forward and g.numel() != 1:
         raise ValueError("dX needs one global scale (a per-row scale of Ŵ does not factor out of the reduction)")
     out = torch.empty((m, p), dtype=torch.bfloat16, device=a.device)
-    grid = (-(-m // cfg["BM"]) * (p // cfg["BP"]),)
-    _wgmma_kernel[grid](
-        a, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out,
-        m, p, r, a.stride(0), packed.stride(0), scale.stride(0),
+    tiles = -(-m // cfg["BM"]) * (p // cfg["BP"])
+    steps = r // cfg["BR"]
+    split = -(-steps // -(-steps // max(1, min(cfg["SPLIT_K"], steps))))  # no split without a step
+    ws = torch.empty(split * m * p, dtype=torch.float32, device=a.device) if split > 1 else out
+    _wgmma_kernel[(tiles, split)](
+        a, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out, ws, _counters(a.device, tiles),
+        m, p, r, a.stride(0), packed.stride(0), scale.stride(0), split,
         FORWARD=forward, BM=cfg["BM"], BP=cfg["BP"], BR=cfg["BR"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
         HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1, num_warps=cfg["BM"] // 16,
     )
