@@ -249,7 +249,7 @@ if AVAILABLE:
             arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 total = gl.zeros([BM, BP], gl.float32, layout=mma)
-                for sp in range(0, SPLIT_K):
+                for sp in range(SPLIT_K):
                     total += gl.load(ws_ptr + (sp * M).to(gl.int64) * P + out_offs, mask=out_mask, other=0.0,
                                      cache_modifier=".cg")
                 _epilogue(total, g_ptr, bias_ptr, out_ptr, out_offs, out_mask, rp, BP, HAS_BIAS, G_PER_ROW, mma)
