@@ -230,10 +230,11 @@ def test_wgmma_kernel_overlaps_decode_and_wgmma_without_spills_on_hopper():
         assert r["sass_loop_instructions"] <= 340, r
 
 
-def test_wgmma_kernel_refuses_what_it_cannot_run():
-    """The wgmma kernel runs on Hopper GPUs only; elsewhere it says so, and the autotuned path
-    never routes to it (CPU tensors here)."""
+def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):
+    """The wgmma kernel runs on Hopper GPUs only; elsewhere it says so, and neither the autotuned
+    path nor the learner's `QERL_NVFP4_GEMM=wgmma` routes to it (CPU tensors here)."""
     from kernels.nvfp4 import gemm, wgmma_gemm
+    from kernels.nvfp4.linear import backend_name
 
     packed, scale, g = make_weight(256, 128, 0)
     x = torch.randn(64, 128).bfloat16()
@@ -242,6 +243,11 @@ def test_wgmma_kernel_refuses_what_it_cannot_run():
     assert not gemm._wgmma_fits(x, 64, 256, 128, False, g)
     assert wgmma_gemm.supports(64, 256, 128, wgmma_gemm.DEFAULT_CONFIG)
     assert not wgmma_gemm.supports(64, 576, 128, wgmma_gemm.DEFAULT_CONFIG)  # SmolLM2's 576 columns
+    monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma")
+    assert backend_name(x) == "reference"
+    monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma2")
+    with pytest.raises(ValueError, match="auto, wgmma, dequant, fused or reference"):
+        backend_name(x)
 
 
 def test_pdl_kernels_wait_before_touching_the_input_or_output(tmp_path):

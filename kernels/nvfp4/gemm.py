@@ -775,12 +775,17 @@ def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool
 
 
 # From this many input rows on, the autotuned path (config None) hands Hopper GPUs to the wgmma
-# kernel of `wgmma_gemm` (decode into shared memory, then wgmma) where the shape fits it.
-WGMMA_MIN_M = int(os.environ.get("QERL_NVFP4_WGMMA_MIN_M", "64"))
+# kernel of `wgmma_gemm` (decode into shared memory, then wgmma) where the shape fits it. 0 (the
+# default until that kernel is measured on a GPU, NOTES.md 2026-12-06 late): never.
+WGMMA_MIN_M = int(os.environ.get("QERL_NVFP4_WGMMA_MIN_M", "0"))
 
 
-def _wgmma_fits(a2: torch.Tensor, m: int, n_out: int, red: int, trans_w: bool, g: torch.Tensor) -> bool:
-    if INTERPRET or m < WGMMA_MIN_M or a2.device.type != "cuda" or (trans_w and g.numel() != 1):
+def _wgmma_fits(a2: torch.Tensor, m: int, n_out: int, red: int, trans_w: bool, g: torch.Tensor,
+                min_m: int | None = None) -> bool:
+    """Whether the wgmma kernel runs this GEMM: Hopper, ≥ min_m rows (WGMMA_MIN_M; 0 = never),
+    whole tiles, and one global scale in dX."""
+    min_m = WGMMA_MIN_M if min_m is None else min_m
+    if INTERPRET or min_m <= 0 or m < min_m or a2.device.type != "cuda" or (trans_w and g.numel() != 1):
         return False
     from . import wgmma_gemm
     return (wgmma_gemm.AVAILABLE and torch.cuda.get_device_capability(a2.device)[0] == 9
@@ -896,8 +901,8 @@ def linear_w4a16(
     PDL (programmatic dependent launch, `_pdl_start`); or GEMV=True with BLOCK_N, BLOCK_K, SPLIT_K, num_warps for
     the CUDA-core kernel (M = 1, K % BLOCK_K == 0); or DECODE=True with RW, KV, SPLIT_K, num_warps for the
     Gluon mma.sync kernel of `decode_gemm` (GPU only, M <= 16); or WGMMA=True with any of BM, BP, BR,
-    STAGES, GROUP_M for the Gluon wgmma kernel of `wgmma_gemm` (Hopper only). Without `_config`, Hopper
-    GPUs run that kernel from WGMMA_MIN_M rows on where the shape fits it."""
+    STAGES, GROUP_M, SPLIT_K for the Gluon wgmma kernel of `wgmma_gemm` (Hopper only). Without `_config`,
+    Hopper GPUs run that kernel from WGMMA_MIN_M rows on (0, the default: never) where the shape fits it."""
     n, _ = _check("linear_w4a16", x, weight_packed, weight_scale, weight_global_scale, True)
     if bias is not None:
         if bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32) \

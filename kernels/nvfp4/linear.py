@@ -21,6 +21,11 @@ The GEMMs go through `_backend(x)`, the one place that picks the implementation:
   (`QERL_NVFP4_GEMM=fused`), which never materialize Ŵ, win only at M ≤ 16 and run at
   18-51 % of cuBLAS from M = 256 on (kernels/nvfp4/NOTES.md). `DequantPrefetch` (below)
   makes the next decoder layer's Ŵ on a side stream;
+* on Hopper with `QERL_NVFP4_GEMM=wgmma` (or `auto` once AUTO_WGMMA is set): the wgmma kernel of
+  `kernels/nvfp4/wgmma_gemm.py` (decodes into shared memory, never writes Ŵ to HBM) for the
+  learner's M ≥ 64 rows on whole tiles, dequantize + cuBLAS elsewhere (`_Wgmma`). Compiled and
+  checked offline; not yet measured on a GPU (NOTES.md, 2026-12-06, late), so `auto` does not
+  take it;
 * otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
   byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
   decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
@@ -105,24 +110,25 @@ class _DequantCuBLAS:
 
 class _Wgmma:
     """Hopper: the wgmma kernel of `wgmma_gemm` (decode into shared memory, async wgmma; Ŵ never
-    in HBM) wherever `gemm._wgmma_fits` (≥ gemm.WGMMA_MIN_M rows, whole tiles), else dequantize +
-    cuBLAS."""
+    in HBM) wherever `gemm._wgmma_fits` (≥ MIN_M rows, whole tiles), else dequantize + cuBLAS."""
 
     name = "wgmma"
+    MIN_M = 64
 
     @staticmethod
     def linear_w4a16(x2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None) -> Tensor:
         gemm = _fused()
-        if gemm._wgmma_fits(x2, x2.shape[0], packed.shape[0], x2.shape[1], False, gscale.reshape(-1)):
-            return gemm.linear_w4a16(x2, packed, scale, gscale, bias)
+        if gemm._wgmma_fits(x2, x2.shape[0], packed.shape[0], x2.shape[1], False, gscale.reshape(-1), _Wgmma.MIN_M):
+            return gemm.linear_w4a16(x2, packed, scale, gscale, bias, _config={"WGMMA": True})
         w = _DequantCuBLAS.dequantize(packed, scale, gscale, x2.dtype)
         return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
 
     @staticmethod
     def grad_input_w4a16(dy2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
         gemm = _fused()
-        if gemm._wgmma_fits(dy2, dy2.shape[0], packed.shape[1] * 2, dy2.shape[1], True, gscale.reshape(-1)):
-            return gemm.grad_input_w4a16(dy2, packed, scale, gscale)
+        if gemm._wgmma_fits(dy2, dy2.shape[0], packed.shape[1] * 2, dy2.shape[1], True, gscale.reshape(-1),
+                            _Wgmma.MIN_M):
+            return gemm.grad_input_w4a16(dy2, packed, scale, gscale, _config={"WGMMA": True})
         return dy2 @ _DequantCuBLAS.dequantize(packed, scale, gscale, dy2.dtype)
 
 
