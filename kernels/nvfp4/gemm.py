@@ -776,7 +776,8 @@ def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool
 
 # From this many input rows on, the autotuned path (config None) hands Hopper GPUs to the wgmma
 # kernel of `wgmma_gemm` (decode into shared memory, then wgmma) where the shape fits it. 0 (the
-# default until that kernel is measured on a GPU, NOTES.md 2026-12-06 late): never.
+# default: at 56-62 % of cuBLAS on an H100 it loses to dequantize + cuBLAS at learner sizes,
+# NOTES.md 2026-12-06 late): never.
 WGMMA_MIN_M = int(os.environ.get("QERL_NVFP4_WGMMA_MIN_M", "0"))
 
 

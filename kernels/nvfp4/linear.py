@@ -23,9 +23,9 @@ The GEMMs go through `_backend(x)`, the one place that picks the implementation:
   makes the next decoder layer's Ŵ on a side stream;
 * on Hopper with `QERL_NVFP4_GEMM=wgmma` (or `auto` once AUTO_WGMMA is set): the wgmma kernel of
   `kernels/nvfp4/wgmma_gemm.py` (decodes into shared memory, never writes Ŵ to HBM) for the
-  learner's M ≥ 64 rows on whole tiles, dequantize + cuBLAS elsewhere (`_Wgmma`). Compiled and
-  checked offline; not yet measured on a GPU (NOTES.md, 2026-12-06, late), so `auto` does not
-  take it;
+  learner's M ≥ 64 rows on whole tiles, dequantize + cuBLAS elsewhere (`_Wgmma`). Correct, but
+  on an H100 it runs at 56-62 % of cuBLAS and one 7B layer's fwd + dX takes 36.1 ms against
+  21.9 ms with dequantize + cuBLAS (NOTES.md, 2026-12-06, late), so `auto` does not take it;
 * otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
   byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
   decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
@@ -132,7 +132,8 @@ class _Wgmma:
         return dy2 @ _DequantCuBLAS.dequantize(packed, scale, gscale, dy2.dtype)
 
 
-# Whether 'auto' takes `_Wgmma` on Hopper GPUs (else dequant+cuBLAS everywhere on CUDA).
+# Whether 'auto' takes `_Wgmma` on Hopper GPUs (else dequant+cuBLAS everywhere on CUDA). Off: on an
+# H100 the learner's layer is 1.65x slower with it than with dequant+cuBLAS (NOTES.md, 2026-12-06 late).
 AUTO_WGMMA = False
 
 

@@ -69,8 +69,9 @@ SERVING_CONFIGS: list[tuple[int, dict]] = [
 ]
 MAX_SPLIT = 8
 TABLE_ENV = "QERL_NVFP4_SERVING_CONFIGS"
-# "1": the wgmma kernel (wgmma_gemm.py) takes the rows neither table covers, on Hopper; off until
-# it is measured on a GPU (kernels/nvfp4/NOTES.md, 2026-12-06 late)
+# "1": the wgmma kernel (wgmma_gemm.py) takes the rows neither table covers, on Hopper. Off: at 256
+# rows on an H100 it beats dequantize + cuBLAS on gate_up (1.36x) but not on qkv or o, and it has
+# not run inside vLLM yet (kernels/nvfp4/NOTES.md, 2026-12-06 late)
 WGMMA_ENV = "QERL_NVFP4_SERVING_WGMMA"
 PDL_ENV = "QERL_NVFP4_PDL"  # "1": programmatic dependent launch (gemm._pdl_start); off: slower in vLLM
 MEASURED_KEYS = ("us", "cublas_bf16_us", "dequant_cublas_us")  # figures beside each config, not kernel arguments
