@@ -156,7 +156,7 @@ def time_case(torch, wg, name: str, n: int, k: int, op: str, m: int, args) -> li
     flops = 2.0 * m * n * k
     rows = []
     for cfg in args.configs:
-        if not wg.supports(m, p, red, {**wg.DEFAULT_CONFIG, **cfg}):
+        if not wg.supports(m, p, red, {**wg.DEFAULT_CONFIG, **cfg}, op == "fwd"):
             continue
         gemm = wg.linear_wgmma if op == "fwd" else wg.grad_input_wgmma
         try:

@@ -243,6 +243,10 @@ def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):
     assert not gemm._wgmma_fits(x, 64, 256, 128, False, g)
     assert wgmma_gemm.supports(64, 256, 128, wgmma_gemm.DEFAULT_CONFIG)
     assert not wgmma_gemm.supports(64, 576, 128, wgmma_gemm.DEFAULT_CONFIG)  # SmolLM2's 576 columns
+    wide = {**wgmma_gemm.DEFAULT_CONFIG, "BM": 256, "BP": 128}  # 16 warps for 128 (64) weight rows: words twice
+    assert not wgmma_gemm.supports(4096, 3584, 3584, wide) and not wgmma_gemm.supports(4096, 3584, 3584, wide, False)
+    narrow = {**wgmma_gemm.DEFAULT_CONFIG, "BP": 128, "STAGES": 6}  # 8 warps: 128 (64) rows, one pass
+    assert wgmma_gemm.supports(4096, 3584, 3584, narrow) and wgmma_gemm.supports(4096, 3584, 3584, narrow, False)
     monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma")
     assert backend_name(x) == "reference"
     monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma2")

@@ -790,7 +790,7 @@ def _wgmma_fits(a2: torch.Tensor, m: int, n_out: int, red: int, trans_w: bool, g
         return False
     from . import wgmma_gemm
     return (wgmma_gemm.AVAILABLE and torch.cuda.get_device_capability(a2.device)[0] == 9
-            and wgmma_gemm.supports(m, n_out, red, wgmma_gemm.DEFAULT_CONFIG))
+            and wgmma_gemm.supports(m, n_out, red, wgmma_gemm.DEFAULT_CONFIG, not trans_w))
 
 
 def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias, trans_w: bool,

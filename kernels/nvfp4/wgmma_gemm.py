@@ -21,8 +21,9 @@ matters is that the tensor cores never wait for it. Here:
   multiply step i while the warps decode step i + 1. The forward reads the bf16 tile
   transposed (K-major B), dX as it is (N-major B); wgmma takes either for bf16;
 * the input tile, the packed weight and the block scales arrive by cp.async through a ring of
-  STAGES steps (STAGES - 2 ahead), so one CTA barrier per step covers both rings: after it,
-  every warp has finished the wgmma of step i - 2, whose slots are refilled.
+  STAGES steps (STAGES - 2 ahead). One explicit CTA barrier per step (after the decode) covers
+  the rings and the bf16 buffers: after it, every warp has finished the wgmma of step i - 2,
+  whose slots are refilled (Triton's barrier analysis adds two more around the ring accesses).
 
 The decode is `gemm._DECODE_WORD_ASM` (one 32-bit word → 8 weights E2M1 · s · 2^-8, exact in
 bf16) with the scales of `gemm._SCALE_PAIR_ASM`; the epilogue multiplies by 2^8 and divides by
@@ -63,9 +64,13 @@ __all__ = ["AVAILABLE", "DEFAULT_CONFIG", "grad_input_wgmma", "linear_wgmma", "s
 DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8, "SPLIT_K": 1}
 
 
-def supports(m: int, p: int, r: int, cfg: dict) -> bool:
-    """Whether a config fits out [m, p] = a [m, r] @ B: whole tiles along P and R (M is masked)."""
-    return m >= 1 and p % cfg["BP"] == 0 and r % cfg["BR"] == 0
+def supports(m: int, p: int, r: int, cfg: dict, forward: bool = True) -> bool:
+    """Whether a config fits out [m, p] = a [m, r] @ B: whole tiles along P and R (M is masked), and
+    a weight tile with at least a row per thread group (4 words per thread: more warps than that
+    would decode some words twice, e.g. BM 256 with BP 128 in the forward)."""
+    wr, wc = (cfg["BP"], cfg["BR"]) if forward else (cfg["BR"], cfg["BP"])
+    rows_per_pass = 32 // (wc // 32) * (cfg["BM"] // 16)  # _rows_layout(wc / 8, 4, warps)
+    return m >= 1 and p % cfg["BP"] == 0 and r % cfg["BR"] == 0 and wr % rows_per_pass == 0
 
 
 if AVAILABLE:
@@ -270,9 +275,9 @@ def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_s
         raise ValueError("the wgmma kernel (Gluon) runs on CUDA GPUs only; Triton's interpreter does not run Gluon")
     if not AVAILABLE or torch.cuda.get_device_capability(a.device)[0] != 9:
         raise ValueError("the wgmma kernel needs Gluon and a Hopper GPU (sm_90)")
-    if not supports(m, p, r, cfg):
-        raise ValueError(f"the wgmma kernel needs P % {cfg['BP']} == 0 and R % {cfg['BR']} == 0 "
-                         f"(got M={m}, P={p}, R={r})")
+    if not supports(m, p, r, cfg, forward):
+        raise ValueError(f"the wgmma kernel needs P % {cfg['BP']} == 0, R % {cfg['BR']} == 0 and a weight tile of "
+                         f"whole thread groups (got M={m}, P={p}, R={r}, config {cfg})")
     if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or packed.stride(0) % 16 or packed.data_ptr() % 16:
         raise ValueError("the wgmma kernel copies the input and the packed weight in 16-byte vectors: both need "
                          "16-byte aligned rows")
