@@ -275,6 +275,9 @@ def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_s
         raise ValueError("the wgmma kernel (Gluon) runs on CUDA GPUs only; Triton's interpreter does not run Gluon")
     if not AVAILABLE or torch.cuda.get_device_capability(a.device)[0] != 9:
         raise ValueError("the wgmma kernel needs Gluon and a Hopper GPU (sm_90)")
+    if cfg["STAGES"] < 4:
+        raise ValueError(f"the wgmma kernel needs STAGES >= 4 (its ring runs STAGES - 2 steps ahead and waits for "
+                         f"the next step while one more is in flight), got {cfg['STAGES']}")
     if not supports(m, p, r, cfg, forward):
         raise ValueError(f"the wgmma kernel needs P % {cfg['BP']} == 0, R % {cfg['BR']} == 0 and a weight tile of "
                          f"whole thread groups (got M={m}, P={p}, R={r}, config {cfg})")
