@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LEARNER = [("q/o", 3584, 3584), ("k/v", 512, 3584), ("gate/up", 18944, 3584), ("down", 3584, 18944)]
+# (name, N, K): the learner's four Linear shapes, and the seven Linears of one decoder layer
+from benchmarks.nvfp4_gemm import QWEN7B as LEARNER, QWEN7B_LAYER as LAYER  # noqa: E402
+
 SERVING = [("qkv", 4608, 3584), ("gate_up", 37888, 3584)]  # vLLM's fused shards: per-row global scale
-LAYER = [("q", 3584, 3584), ("k", 512, 3584), ("v", 512, 3584), ("o", 3584, 3584),
-         ("gate", 18944, 3584), ("up", 18944, 3584), ("down", 3584, 18944)]
 
 
 def parse_args(argv=None):

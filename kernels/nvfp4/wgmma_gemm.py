@@ -74,25 +74,9 @@ def supports(m: int, p: int, r: int, cfg: dict, forward: bool = True) -> bool:
 
 
 if AVAILABLE:
+    from .decode_gemm import _copy_to_shared, _cta_barrier  # shims over triton 3.6 / 3.9 names
+
     _SCALE_BIAS_C = gl.constexpr(_SCALE_BIAS)
-
-    if hasattr(gl, "thread_barrier"):  # triton 3.6 (the GPU image)
-        @gluon.jit
-        def _cta_barrier():
-            gl.thread_barrier()
-    else:  # triton 3.9 renamed it
-        @gluon.jit
-        def _cta_barrier():
-            gl.barrier()
-
-    if hasattr(async_copy, "async_load"):  # triton 3.9
-        @gluon.jit
-        def _copy_to_shared(smem, ptrs):
-            async_copy.async_load(smem, ptrs)
-    else:  # triton 3.6
-        @gluon.jit
-        def _copy_to_shared(smem, ptrs):
-            async_copy.async_copy_global_to_shared(smem, ptrs)
 
     @gluon.constexpr_function
     def _rows_layout(cols, per_thread, warps):
