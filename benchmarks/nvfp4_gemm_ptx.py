@@ -89,14 +89,23 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         from kernels.nvfp4 import wgmma_gemm
-        c = {**wgmma_gemm.DEFAULT_CONFIG, **cfg}
+        c = wgmma_gemm.full_config(cfg)
         consts = {"FORWARD": not trans_w, **{k: c[k] for k in ("BM", "BP", "BR", "STAGES", "GROUP_M")},
                   "HAS_BIAS": False, "G_PER_ROW": False}
         ptrs = {"a_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
         div16 = [*ptrs, "P", "R", "stride_am", "stride_w", "stride_s"]
-        src = _source(GluonASTSource, wgmma_gemm._wgmma_kernel, ptrs, consts, div16)
-        return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": c["BM"] // 16}),
+        options = {"num_warps": c["BM"] // 16}
+        if c.get("WARP_SPECIALIZE"):
+            consts.update({k: c[k] for k in ("DECODED", "DECODE_REGS")})
+            del ptrs["a_ptr"]
+            ptrs["a_desc"] = f"tensordesc<bf16[{c['BM']}, {c['BR']}],{wgmma_gemm._A_SMEM_LAYOUT!r}>"
+            options["maxnreg"] = c["MAXNREG"]
+        fn = wgmma_gemm._wgmma_kernel
+        if c.get("WARP_SPECIALIZE"):
+            fn = wgmma_gemm._pws_kernel if c.get("PERSISTENT") else wgmma_gemm._ws_kernel
+        src = _source(GluonASTSource, fn, ptrs, consts, div16)
+        return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options),
                              out, "_".join(f"{v}" for v in ("wgmma", *consts.values())))
     bk = cfg["BLOCK_K"]
     if cfg.pop("GEMV", False):  # the CUDA-core forward for one input row
@@ -158,6 +167,11 @@ def _ptxas_report(k, out: Path | None, tag: str) -> dict:
             "fma_f32": ptx.count("fma.rn.f32"),
             # ptxas C7515: it made every wgmma wait for the previous one (the async pipeline is lost)
             "wgmma_serialized": "C7515" in info,
+            # warp specialization: register reallocation per partition, mbarrier hand-overs, TMA loads
+            "setmaxnreg": {d: sorted({int(n) for n in re.findall(rf"setmaxnreg\.{d}\.sync\.aligned\.u32\s+(\d+)", ptx)})
+                           for d in ("dec", "inc")},
+            "mbarrier_arrives": len(re.findall(r"mbarrier\.arrive\.shared", ptx)),
+            "tma_loads": ptx.count("cp.async.bulk.tensor"),
             "memory_instructions": dict(sorted(collections.Counter(re.findall(MEM, ptx)).items()))}
 
 

@@ -13,7 +13,7 @@
    not stay in L2) per config against cuBLAS on the bf16 weight and against dequantize + cuBLAS
    (what the learner does by default), with TFLOP/s, one line each; --out writes all as JSON.
 3. --layer-step: forward + dX through the 7 linears of one 7B decoder layer at 8 × 2,048 tokens,
-   wgmma vs bf16 weights (the learner's GEMM work per layer and micro-batch).
+   wgmma (each config) vs bf16 weights (the learner's GEMM work per layer and micro-batch).
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def parse_args(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--m", type=int, nargs="+", default=[256, 4096], help="rows to time (default 256 4096)")
     p.add_argument("--configs", type=json.loads, default=[{}],
-                   help="JSON list of configs to time, each merged into wgmma_gemm.DEFAULT_CONFIG")
+                   help="JSON list of configs to check and time, each merged into wgmma_gemm.DEFAULT_CONFIG "
+                        "(or WS_CONFIG with \"WARP_SPECIALIZE\": true)")
     p.add_argument("--rotate-mib", type=float, default=256.0, help="weights + inputs per timing, at least")
     p.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph rep (ms)")
     p.add_argument("--layer-step", action="store_true")
@@ -156,7 +157,7 @@ def time_case(torch, wg, name: str, n: int, k: int, op: str, m: int, args) -> li
     flops = 2.0 * m * n * k
     rows = []
     for cfg in args.configs:
-        if not wg.supports(m, p, red, {**wg.DEFAULT_CONFIG, **cfg}, op == "fwd"):
+        if not wg.supports(m, p, red, cfg, op == "fwd"):
             continue
         gemm = wg.linear_wgmma if op == "fwd" else wg.grad_input_wgmma
         try:
@@ -188,10 +189,10 @@ def layer_step(torch, wg, dev, args) -> dict:
         layers.append((q, triton_kernels.dequantize(*q, torch.bfloat16), torch.randn(m, k, device=dev).bfloat16(),
                        torch.randn(m, n, device=dev).bfloat16()))
 
-    def nvfp4():
+    def nvfp4(cfg):
         for q, _, x, dy in layers:
-            wg.linear_wgmma(x, *q)
-            wg.grad_input_wgmma(dy, *q)
+            wg.linear_wgmma(x, *q, cfg=cfg)
+            wg.grad_input_wgmma(dy, *q, cfg=cfg)
 
     def bf16():
         for _, w, x, dy in layers:
@@ -205,11 +206,11 @@ def layer_step(torch, wg, dev, args) -> dict:
             torch.matmul(dy, w)
 
     res = {"M": m}
-    for name, fn in (("wgmma", nvfp4), ("bf16", bf16), ("dequant_cublas", deq)):
+    runs = [(f"wgmma {json.dumps(cfg)}", lambda c=cfg: nvfp4(c)) for cfg in args.configs]
+    for name, fn in (*runs, ("bf16", bf16), ("dequant_cublas", deq)):
         fn()
         res[f"ms_{name}"] = do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
-    print(f"# layer step (7 linears, fwd + dX, M = {m}): wgmma {res['ms_wgmma']:.3f} ms, bf16 cuBLAS "
-          f"{res['ms_bf16']:.3f} ms, dequant + cuBLAS {res['ms_dequant_cublas']:.3f} ms", flush=True)
+        print(f"# layer step (7 linears, fwd + dX, M = {m}): {name} {res[f'ms_{name}']:.3f} ms", flush=True)
     return res
 
 

@@ -230,6 +230,30 @@ def test_wgmma_kernel_overlaps_decode_and_wgmma_without_spills_on_hopper():
         assert r["sass_loop_instructions"] <= 340, r
 
 
+def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper():
+    """Compiled for sm_90a without a GPU: the warp-specialized variant gives the decode one warp
+    group with fewer registers (setmaxnreg) and the wgmma warps the rest, hands buffers over by
+    mbarriers, loads the input by TMA, keeps its wgmma asynchronous and does not spill."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cfg = json.dumps({"WGMMA": True, "WARP_SPECIALIZE": True})
+    reports = []
+    for extra in ([], ["--dx"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *extra, "--config", cfg],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reports += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2
+    for r in reports:
+        mem = r["memory_instructions"]
+        assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 8, r
+        assert r["setmaxnreg"] == {"dec": [24, 184], "inc": [128, 240]}, r  # decode 128, wgmma warps 184
+        assert r["mbarrier_arrives"] >= 2 and r["tma_loads"] >= 2, r  # d_ready / d_empty; prologue + refill
+        assert mem.get("st.shared.v4.b32", 0) >= 16 and mem.get("cp.async.cg.shared.global", 0) >= 2, r
+
+
 def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):
     """The wgmma kernel runs on Hopper GPUs only; elsewhere it says so, and neither the autotuned
     path nor the learner's `QERL_NVFP4_GEMM=wgmma` routes to it (CPU tensors here)."""

@@ -46,30 +46,47 @@ try:  # Gluon ships with triton >= 3.5; its API is experimental and changes betw
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     AVAILABLE = True
 except ImportError:  # pragma: no cover
     AVAILABLE = False
 
 from .gemm import _DECODE_WORD_ASM, _SCALE_BIAS, _SCALE_PAIR_ASM, _counters
 
-__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "grad_input_wgmma", "linear_wgmma", "supports"]
+__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "WS_CONFIG", "full_config", "grad_input_wgmma", "linear_wgmma", "supports"]
 
 # BM input rows × BP output columns per CTA (BM / 16 warps: 64 rows per warp group), BR of the
 # reduction per step. 128 × 256 × 64 with 5 stages uses ~221 KB of the H100/H200's 227 KB.
 # SPLIT_K > 1 splits the reduction over that many programs per tile (fp32 partials in a
 # workspace, the last to arrive sums them in split order): for few tiles (serving-sized M).
 DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8, "SPLIT_K": 1}
+# WARP_SPECIALIZE: the kernel `_ws_kernel` instead, where one warp group decodes into DECODED
+# bf16 buffers and the BM / 16 other warps only load the input (TMA, a ring of STAGES) and issue
+# wgmma; the decode warps get DECODE_REGS registers per thread, the kernel MAXNREG (the wgmma
+# warps get what is left). 128 × 256 × 64 with 4 stages and 3 buffers uses ~197 KB.
+WS_CONFIG = {**DEFAULT_CONFIG, "WARP_SPECIALIZE": True, "STAGES": 4, "DECODED": 3, "DECODE_REGS": 128,
+             "MAXNREG": 168}
+
+
+def full_config(cfg: dict | None) -> dict:
+    """`cfg` over the defaults of its kernel (WS_CONFIG where it asks for WARP_SPECIALIZE)."""
+    cfg = cfg or {}
+    return {**(WS_CONFIG if cfg.get("WARP_SPECIALIZE") else DEFAULT_CONFIG), **cfg}
 
 
 def supports(m: int, p: int, r: int, cfg: dict, forward: bool = True) -> bool:
     """Whether a config fits out [m, p] = a [m, r] @ B: whole tiles along P and R (M is masked), and
-    a weight tile with at least a row per thread group (4 words per thread: more warps than that
-    would decode some words twice, e.g. BM 256 with BP 128 in the forward)."""
+    a weight tile with at least a row per thread group (4 words per thread: more decoding warps than
+    that would decode some words twice, e.g. BM 256 with BP 128 in the forward)."""
+    cfg = full_config(cfg)
     wr, wc = (cfg["BP"], cfg["BR"]) if forward else (cfg["BR"], cfg["BP"])
-    rows_per_pass = 32 // (wc // 32) * (cfg["BM"] // 16)  # _rows_layout(wc / 8, 4, warps)
+    warps = 4 if cfg.get("WARP_SPECIALIZE") else cfg["BM"] // 16
+    rows_per_pass = 32 // (wc // 32) * warps  # _rows_layout(wc / 8, 4, warps)
     return m >= 1 and p % cfg["BP"] == 0 and r % cfg["BR"] == 0 and wr % rows_per_pass == 0
 
 
@@ -77,6 +94,8 @@ if AVAILABLE:
     from .decode_gemm import _copy_to_shared, _cta_barrier  # shims over triton 3.6 / 3.9 names
 
     _SCALE_BIAS_C = gl.constexpr(_SCALE_BIAS)
+    # the input tile [BM, 64] bf16 in shared memory: rows of 128 bytes, wgmma's 128-byte swizzle
+    _A_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     @gluon.constexpr_function
     def _rows_layout(cols, per_thread, warps):
@@ -114,6 +133,73 @@ if AVAILABLE:
         if HAS_BIAS:
             y += gl.load(bias_ptr + rp).to(gl.float32)[None, :]
         gl.store(out_ptr + out_offs, y.to(gl.bfloat16), mask=out_mask)
+
+    @gluon.jit
+    def _tile(tile, split, M, P, R, SPLIT_K, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
+              GROUP_M: gl.constexpr):
+        """Output tile `tile`'s offsets (grouped order: GROUP_M row tiles run next to each other on
+        one column tile, for L2 reuse) and split `split`'s share of the reduction: steps
+        [k0, k0 + n_k) (the launcher makes none empty)."""
+        tiles_m = gl.cdiv(M, BM)
+        tiles_p = P // BP
+        per_group = GROUP_M * tiles_p
+        first_m = (tile // per_group) * GROUP_M
+        group_m = gl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_m
+        pid_p = (tile % per_group) // group_m
+        per_split = gl.cdiv(R // BR, SPLIT_K)
+        k0 = split * per_split
+        return pid_m * BM, pid_p * BP, k0, gl.minimum(per_split, R // BR - k0)
+
+    @gluon.jit
+    def _weight_pointers(packed_ptr, scale_ptr, k0, off_p, stride_w, stride_s, FORWARD: gl.constexpr,
+                         BR: gl.constexpr, WR: gl.constexpr, WC: gl.constexpr, w_lay: gl.constexpr,
+                         sc_lay: gl.constexpr):
+        """Pointers to step 0's packed words [WR, WC/8] and scale pairs [WR, WC/32] of the weight
+        tile, and how far a step moves them."""
+        wr = gl.arange(0, WR, layout=gl.SliceLayout(1, w_lay))
+        wc = gl.arange(0, WC // 8, layout=gl.SliceLayout(0, w_lay))
+        sr = gl.arange(0, WR, layout=gl.SliceLayout(1, sc_lay))
+        scc = gl.arange(0, WC // 32, layout=gl.SliceLayout(0, sc_lay))
+        if FORWARD:  # rows off_p + r, columns (the reduction) from k0
+            w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + (off_p + wr).to(gl.int64)[:, None] * (stride_w // 4)
+                      + (k0 * (BR // 8) + wc)[None, :])
+            s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + (off_p + sr).to(gl.int64)[:, None] * (stride_s // 2)
+                      + (k0 * (BR // 32) + scc)[None, :])
+            w_step = BR // 8
+            s_step = BR // 32
+        else:  # rows (the reduction) from k0, columns off_p + c
+            w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + (k0 * BR + wr).to(gl.int64)[:, None] * (stride_w // 4)
+                      + (off_p // 8 + wc)[None, :])
+            s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + (k0 * BR + sr).to(gl.int64)[:, None] * (stride_s // 2)
+                      + (off_p // 32 + scc)[None, :])
+            w_step = BR * (stride_w // 4)
+            s_step = BR * (stride_s // 2)
+        return w_ptrs, s_ptrs, w_step, s_step
+
+    @gluon.jit
+    def _store_tile(acc, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K, off_m, off_p, tile, split,
+                    BM: gl.constexpr, BP: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+                    mma: gl.constexpr):
+        """The tile's output: the epilogue, or with split-K this split's fp32 partial, and the last
+        split to arrive sums them in split order (deterministic) and runs the epilogue."""
+        rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+        rp = off_p + gl.arange(0, BP, layout=gl.SliceLayout(0, mma))
+        out_offs = rm.to(gl.int64)[:, None] * P + rp[None, :]
+        out_mask = (rm < M)[:, None] & (rp >= 0)[None, :]
+        if SPLIT_K == 1:
+            _epilogue(acc, g_ptr, bias_ptr, out_ptr, out_offs, out_mask, rp, BP, HAS_BIAS, G_PER_ROW, mma)
+        else:
+            gl.store(ws_ptr + (split * M).to(gl.int64) * P + out_offs, acc, mask=out_mask)
+            _cta_barrier()  # every thread's partial is written before the release below
+            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = gl.zeros([BM, BP], gl.float32, layout=mma)
+                for sp in range(SPLIT_K):
+                    total += gl.load(ws_ptr + (sp * M).to(gl.int64) * P + out_offs, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                _epilogue(total, g_ptr, bias_ptr, out_ptr, out_offs, out_mask, rp, BP, HAS_BIAS, G_PER_ROW, mma)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
     @gluon.jit
     def _k_step(i, acc, a_ring, w_ring, s_ring, d_ring, a_ptrs, w_ptrs, s_ptrs, w_step, s_step, n_k,
@@ -166,44 +252,15 @@ if AVAILABLE:
         d_smem_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
-        # grouped order: GROUP_M row tiles run next to each other on one column tile (L2 reuse)
         pid = gl.program_id(0)
-        tiles_m = gl.cdiv(M, BM)
-        tiles_p = P // BP
-        per_group = GROUP_M * tiles_p
-        first_m = (pid // per_group) * GROUP_M
-        group_m = gl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_p = (pid % per_group) // group_m
-        off_m = pid_m * BM
-        off_p = pid_p * BP
-        # split-K: this program's steps [k0, k0 + n_k) of the reduction (the launcher makes none empty)
-        per_split = gl.cdiv(R // BR, SPLIT_K)
-        k0 = gl.program_id(1) * per_split
-        n_k = gl.minimum(per_split, R // BR - k0)
+        off_m, off_p, k0, n_k = _tile(pid, gl.program_id(1), M, P, R, SPLIT_K, BM, BP, BR, GROUP_M)
 
         # pointers of step 0; a step advances them by BR along the reduction
         am = gl.minimum(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, a_lay)), M - 1)  # rows ≥ M: never stored
         ak = gl.arange(0, BR, layout=gl.SliceLayout(0, a_lay))
         a_ptrs = a_ptr + am.to(gl.int64)[:, None] * stride_am + (k0 * BR + ak)[None, :]
-        wr = gl.arange(0, WR, layout=gl.SliceLayout(1, w_lay))
-        wc = gl.arange(0, WC // 8, layout=gl.SliceLayout(0, w_lay))
-        sr = gl.arange(0, WR, layout=gl.SliceLayout(1, sc_lay))
-        scc = gl.arange(0, WC // 32, layout=gl.SliceLayout(0, sc_lay))
-        if FORWARD:  # rows off_p + r, columns (the reduction) from k0
-            w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + (off_p + wr).to(gl.int64)[:, None] * (stride_w // 4)
-                      + (k0 * (BR // 8) + wc)[None, :])
-            s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + (off_p + sr).to(gl.int64)[:, None] * (stride_s // 2)
-                      + (k0 * (BR // 32) + scc)[None, :])
-            w_step = BR // 8
-            s_step = BR // 32
-        else:  # rows (the reduction) from k0, columns off_p + c
-            w_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + (k0 * BR + wr).to(gl.int64)[:, None] * (stride_w // 4)
-                      + (off_p // 8 + wc)[None, :])
-            s_ptrs = (scale_ptr.to(gl.pointer_type(gl.int16)) + (k0 * BR + sr).to(gl.int64)[:, None] * (stride_s // 2)
-                      + (off_p // 32 + scc)[None, :])
-            w_step = BR * (stride_w // 4)
-            s_step = BR * (stride_s // 2)
+        w_ptrs, s_ptrs, w_step, s_step = _weight_pointers(packed_ptr, scale_ptr, k0, off_p, stride_w, stride_s,
+                                                          FORWARD, BR, WR, WC, w_lay, sc_lay)
 
         a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BR], a_smem_lay)
         w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, WR, WC // 8], flat)
@@ -231,28 +288,302 @@ if AVAILABLE:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         async_copy.wait_group(0)
 
-        rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-        rp = off_p + gl.arange(0, BP, layout=gl.SliceLayout(0, mma))
-        out_offs = rm.to(gl.int64)[:, None] * P + rp[None, :]
-        out_mask = (rm < M)[:, None] & (rp >= 0)[None, :]
-        if SPLIT_K == 1:
-            _epilogue(acc, g_ptr, bias_ptr, out_ptr, out_offs, out_mask, rp, BP, HAS_BIAS, G_PER_ROW, mma)
-        else:  # fp32 partials; the last split to arrive sums them in split order (deterministic)
-            gl.store(ws_ptr + (gl.program_id(1) * M).to(gl.int64) * P + out_offs, acc, mask=out_mask)
-            _cta_barrier()  # every thread's partial is written before the release below
-            arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                total = gl.zeros([BM, BP], gl.float32, layout=mma)
-                for sp in range(SPLIT_K):
-                    total += gl.load(ws_ptr + (sp * M).to(gl.int64) * P + out_offs, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")
-                _epilogue(total, g_ptr, bias_ptr, out_ptr, out_offs, out_mask, rp, BP, HAS_BIAS, G_PER_ROW, mma)
-                gl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        _store_tile(acc, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K, off_m, off_p, pid, gl.program_id(1),
+                    BM, BP, HAS_BIAS, G_PER_ROW, mma)
 
+    if hasattr(tma, "async_load"):  # triton 3.9
+        @gluon.jit
+        def _tma_load(desc, coord, bar, smem):
+            tma.async_load(desc, coord, bar, smem)
+    else:  # triton 3.6
+        @gluon.jit
+        def _tma_load(desc, coord, bar, smem):
+            tma.async_copy_global_to_shared(desc, coord, bar, smem)
+
+    @gluon.jit
+    def _ws_mma_step(i, acc, a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m,
+                     FORWARD: gl.constexpr, BR: gl.constexpr):
+        """Multiply step i (async) once its input and decoded weight are in; then step i - 1's
+        wgmma has finished in both warp groups: hand its decoded buffer back, refill its input slot."""
+        NA: gl.constexpr = a_ring.shape[0]
+        ND: gl.constexpr = d_ring.shape[0]
+        A_BYTES: gl.constexpr = a_ring.shape[1] * a_ring.shape[2] * 2
+        mbarrier.wait(a_ready.index(i % NA), (i // NA) & 1)
+        mbarrier.wait(d_ready.index(i % ND), (i // ND) & 1)
+        d = d_ring.index(i % ND)
+        if FORWARD:
+            b = d.permute((1, 0))  # [BR, BP], K-major
+        else:
+            b = d  # [BR, BP], N-major
+        acc = warpgroup_mma(a_ring.index(i % NA), b, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # this warp group's step i - 1 is done
+        if i > 0:
+            _cta_barrier()  # ... and the other's (a barrier of this partition's warps only)
+            prev = i - 1
+            mbarrier.arrive(d_empty.index(prev % ND), count=1)
+            nxt = prev + NA
+            if nxt < n_k:
+                slot = prev % NA
+                mbarrier.expect(a_ready.index(slot), A_BYTES)
+                _tma_load(a_desc, [off_m, (k0 + nxt) * BR], a_ready.index(slot), a_ring.index(slot))
+        return acc
+
+    @gluon.jit
+    def _ws_mma(a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m, off_p, pid,
+                g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K,
+                FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
+                HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr):
+        """The default partition (two warp groups): input tiles by TMA, wgmma, the epilogue."""
+        W: gl.constexpr = gl.num_warps()
+        NA: gl.constexpr = a_ring.shape[0]
+        A_BYTES: gl.constexpr = BM * BR * 2
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BP, 16])
+        for j in gl.static_range(NA):
+            if j < n_k:
+                mbarrier.expect(a_ready.index(j), A_BYTES)
+                _tma_load(a_desc, [off_m, (k0 + j) * BR], a_ready.index(j), a_ring.index(j))
+        # step 0 outside the loop (see _wgmma_kernel: else ptxas serializes every wgmma, C7515)
+        acc = gl.zeros([BM, BP], gl.float32, layout=mma)
+        acc = _ws_mma_step(0, acc, a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m, FORWARD, BR)
+        for i in range(1, n_k):
+            acc = _ws_mma_step(i, acc, a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m,
+                               FORWARD, BR)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _store_tile(acc, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K, off_m, off_p, pid, gl.program_id(1),
+                    BM, BP, HAS_BIAS, G_PER_ROW, mma)
+
+    @gluon.jit
+    def _ws_decode(packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready, d_empty, n_k, k0, off_p,
+                   stride_w, stride_s, FORWARD: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr):
+        """The decode partition (one warp group): packed weight and scales by cp.async through their
+        own ring, decoded into the bf16 buffers while the other warps multiply."""
+        W: gl.constexpr = gl.num_warps()
+        WR: gl.constexpr = BP if FORWARD else BR
+        WC: gl.constexpr = BR if FORWARD else BP
+        DS: gl.constexpr = w_ring.shape[0]
+        ND: gl.constexpr = d_ring.shape[0]
+        w_lay: gl.constexpr = _rows_layout(WC // 8, 4, W)
+        p_lay: gl.constexpr = _rows_layout(WC // 32, 1, W)
+        sc_lay: gl.constexpr = _rows_layout(WC // 32, 2, W)
+        w_ptrs, s_ptrs, w_step, s_step = _weight_pointers(packed_ptr, scale_ptr, k0, off_p, stride_w, stride_s,
+                                                          FORWARD, BR, WR, WC, w_lay, sc_lay)
+        for j in gl.static_range(DS - 1):  # steps 0 .. DS - 2, one commit group each
+            if j < n_k:
+                _copy_to_shared(w_ring.index(j), w_ptrs + j * w_step)
+                _copy_to_shared(s_ring.index(j), s_ptrs + j * s_step)
+            async_copy.commit_group()
+        for i in range(n_k):
+            slot = i % DS
+            async_copy.wait_group(DS - 2)  # step i has landed (this thread's copies) ...
+            _cta_barrier()  # ... and everyone's; everyone has read step i - 1's slot: refill it
+            nxt = i + DS - 1
+            if nxt < n_k:
+                _copy_to_shared(w_ring.index(nxt % DS), w_ptrs + nxt * w_step)
+                _copy_to_shared(s_ring.index(nxt % DS), s_ptrs + nxt * s_step)
+            async_copy.commit_group()
+            v = _decode_tile(w_ring.index(slot).load(w_lay), s_ring.index(slot).load(p_lay), WR, WC, w_lay)
+            mbarrier.wait(d_empty.index(i % ND), ((i // ND) & 1) ^ 1)  # step i - ND's wgmma is done
+            d_ring.index(i % ND).store(v)
+            fence_async_shared()  # visible to the wgmma (async proxy) ...
+            _cta_barrier()  # ... from every thread of this partition, before the one arrive
+            mbarrier.arrive(d_ready.index(i % ND), count=1)
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _ws_kernel(
+        a_desc, packed_ptr, scale_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, P, R, stride_w, stride_s, SPLIT_K,
+        FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
+        STAGES: gl.constexpr, DECODED: gl.constexpr, GROUP_M: gl.constexpr, DECODE_REGS: gl.constexpr,
+        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+    ):
+        """Warp-specialized: one warp group decodes the weight into DECODED bf16 buffers (mbarriers
+        `d_ready` / `d_empty`), the kernel's num_warps (two warp groups) load the input by TMA into
+        a ring of STAGES (`a_ready`) and only issue wgmma."""
+        WR: gl.constexpr = BP if FORWARD else BR
+        WC: gl.constexpr = BR if FORWARD else BP
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        d_smem_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        pid = gl.program_id(0)
+        off_m, off_p, k0, n_k = _tile(pid, gl.program_id(1), M, P, R, SPLIT_K, BM, BP, BR, GROUP_M)
+
+        a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BR], a_desc.layout)
+        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, WR, WC // 8], flat)
+        s_ring = gl.allocate_shared_memory(gl.int16, [STAGES, WR, WC // 32], flat)
+        d_ring = gl.allocate_shared_memory(gl.bfloat16, [DECODED, WR, WC], d_smem_lay)
+        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        d_ready = gl.allocate_shared_memory(gl.int64, [DECODED, 1], mbarrier.MBarrierLayout())
+        d_empty = gl.allocate_shared_memory(gl.int64, [DECODED, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(a_ready.index(j), count=1)
+        for j in gl.static_range(DECODED):
+            mbarrier.init(d_ready.index(j), count=1)
+            mbarrier.init(d_empty.index(j), count=1)
+        fence_async_shared()  # the initialized barriers are visible to TMA
+
+        gl.warp_specialize([
+            (_ws_mma, (a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m, off_p, pid,
+                       g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K,
+                       FORWARD, BM, BP, BR, HAS_BIAS, G_PER_ROW)),
+            (_ws_decode, (packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready, d_empty, n_k, k0, off_p,
+                          stride_w, stride_s, FORWARD, BP, BR)),
+        ], [4], [DECODE_REGS])
+    # The persistent warp-specialized kernel: a grid of at most one program per SM, each walking the
+    # work items (tile, split) pid, pid + grid, ...; both partitions walk the same items and count the
+    # same global steps q (ring slot q % depth, phase (q // depth) & 1):
+    #   decode (1 warp group):  the input tile of step q + STAGES - 3 by TMA (a_empty → a_ready), the
+    #                           packed weight and scales by cp.async (its own ring, restarted per tile),
+    #                           decoded into d_ring (d_empty → d_ready);
+    #   mma (BM / 16 warps):    wgmma, then hands step q - 1's slots back; a tile's epilogue overlaps
+    #                           the next tile's loads and decode.
+    # The input runs STAGES - 3 steps ahead of the decode so that the decode, up to DECODED - 1 = 2
+    # steps ahead of the wgmma, never waits for an input slot (a wait for step q + STAGES - 3's slot
+    # is a wait for the wgmma of step q - 3).
+    @gluon.jit
+    def _pws_load_a(a_desc, a_ring, a_ready, a_empty, q, off_m, kk, BR: gl.constexpr):
+        NA: gl.constexpr = a_ring.shape[0]
+        slot = q % NA
+        mbarrier.wait(a_empty.index(slot), ((q // NA) & 1) ^ 1)
+        mbarrier.expect(a_ready.index(slot), a_ring.shape[1] * a_ring.shape[2] * 2)
+        _tma_load(a_desc, [off_m, kk * BR], a_ready.index(slot), a_ring.index(slot))
+
+    @gluon.jit
+    def _pws_decode(a_desc, a_ring, a_ready, a_empty, packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready,
+                    d_empty, M, P, R, SPLIT_K, stride_w, stride_s, FORWARD: gl.constexpr, BM: gl.constexpr,
+                    BP: gl.constexpr, BR: gl.constexpr, GROUP_M: gl.constexpr):
+        W: gl.constexpr = gl.num_warps()
+        WR: gl.constexpr = BP if FORWARD else BR
+        WC: gl.constexpr = BR if FORWARD else BP
+        DS: gl.constexpr = w_ring.shape[0]
+        ND: gl.constexpr = d_ring.shape[0]
+        LA: gl.constexpr = a_ring.shape[0] - 3  # input steps ahead of the decode
+        w_lay: gl.constexpr = _rows_layout(WC // 8, 4, W)
+        p_lay: gl.constexpr = _rows_layout(WC // 32, 1, W)
+        sc_lay: gl.constexpr = _rows_layout(WC // 32, 2, W)
+        tiles = gl.cdiv(M, BM) * (P // BP)
+        q = 0
+        for item in range(gl.program_id(0), tiles * SPLIT_K, gl.num_programs(0)):
+            off_m, off_p, k0, n_k = _tile(item % tiles, item // tiles, M, P, R, SPLIT_K, BM, BP, BR, GROUP_M)
+            w_ptrs, s_ptrs, w_step, s_step = _weight_pointers(packed_ptr, scale_ptr, k0, off_p, stride_w, stride_s,
+                                                              FORWARD, BR, WR, WC, w_lay, sc_lay)
+            for j in gl.static_range(LA):
+                if j < n_k:
+                    _pws_load_a(a_desc, a_ring, a_ready, a_empty, q + j, off_m, k0 + j, BR)
+            # the weight ring restarts with each tile: everyone has read the previous tile's slots
+            _cta_barrier()
+            for j in gl.static_range(DS - 1):  # steps 0 .. DS - 2, one commit group each
+                if j < n_k:
+                    _copy_to_shared(w_ring.index(j), w_ptrs + j * w_step)
+                    _copy_to_shared(s_ring.index(j), s_ptrs + j * s_step)
+                async_copy.commit_group()
+            for i in range(n_k):
+                if i + LA < n_k:
+                    _pws_load_a(a_desc, a_ring, a_ready, a_empty, q + LA, off_m, k0 + i + LA, BR)
+                async_copy.wait_group(DS - 2)  # step i has landed (this thread's copies) ...
+                _cta_barrier()  # ... and everyone's; everyone has read step i - 1's slot: refill it
+                nxt = i + DS - 1
+                if nxt < n_k:
+                    _copy_to_shared(w_ring.index(nxt % DS), w_ptrs + nxt * w_step)
+                    _copy_to_shared(s_ring.index(nxt % DS), s_ptrs + nxt * s_step)
+                async_copy.commit_group()
+                v = _decode_tile(w_ring.index(i % DS).load(w_lay), s_ring.index(i % DS).load(p_lay), WR, WC, w_lay)
+                slot = q % ND
+                mbarrier.wait(d_empty.index(slot), ((q // ND) & 1) ^ 1)  # step q - ND's wgmma is done
+                d_ring.index(slot).store(v)
+                fence_async_shared()  # visible to the wgmma (async proxy) ...
+                _cta_barrier()  # ... from every thread of this partition, before the one arrive
+                mbarrier.arrive(d_ready.index(slot), count=1)
+                q += 1
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _pws_release(q, a_empty, d_empty, NA: gl.constexpr, ND: gl.constexpr):
+        """Step q's wgmma has finished in this warp group; after the barrier, in both: free its slots."""
+        _cta_barrier()
+        mbarrier.arrive(a_empty.index(q % NA), count=1)
+        mbarrier.arrive(d_empty.index(q % ND), count=1)
+
+    @gluon.jit
+    def _pws_mma_step(q, acc, a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, FIRST: gl.constexpr,
+                      FORWARD: gl.constexpr):
+        NA: gl.constexpr = a_ring.shape[0]
+        ND: gl.constexpr = d_ring.shape[0]
+        mbarrier.wait(a_ready.index(q % NA), (q // NA) & 1)
+        mbarrier.wait(d_ready.index(q % ND), (q // ND) & 1)
+        d = d_ring.index(q % ND)
+        if FORWARD:
+            b = d.permute((1, 0))  # [BR, BP], K-major
+        else:
+            b = d  # [BR, BP], N-major
+        acc = warpgroup_mma(a_ring.index(q % NA), b, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # this warp group's step q - 1 is done
+        if not FIRST:
+            _pws_release(q - 1, a_empty, d_empty, NA, ND)
+        return acc
+
+    @gluon.jit
+    def _pws_mma(a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                 M, P, R, SPLIT_K, FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
+                 GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr):
+        W: gl.constexpr = gl.num_warps()
+        NA: gl.constexpr = a_ring.shape[0]
+        ND: gl.constexpr = d_ring.shape[0]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BP, 16])
+        tiles = gl.cdiv(M, BM) * (P // BP)
+        q = 0
+        for item in range(gl.program_id(0), tiles * SPLIT_K, gl.num_programs(0)):
+            tile = item % tiles
+            split = item // tiles
+            off_m, off_p, k0, n_k = _tile(tile, split, M, P, R, SPLIT_K, BM, BP, BR, GROUP_M)
+            # step 0 of the tile outside the loop (see _wgmma_kernel: else ptxas serializes every wgmma)
+            acc = gl.zeros([BM, BP], gl.float32, layout=mma)
+            acc = _pws_mma_step(q, acc, a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, True, FORWARD)
+            for i in range(1, n_k):
+                acc = _pws_mma_step(q + i, acc, a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, False, FORWARD)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            q += n_k
+            _pws_release(q - 1, a_empty, d_empty, NA, ND)
+            _store_tile(acc, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K, off_m, off_p, tile, split,
+                        BM, BP, HAS_BIAS, G_PER_ROW, mma)
+
+    @gluon.jit
+    def _pws_kernel(
+        a_desc, packed_ptr, scale_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, P, R, stride_w, stride_s, SPLIT_K,
+        FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
+        STAGES: gl.constexpr, DECODED: gl.constexpr, GROUP_M: gl.constexpr, DECODE_REGS: gl.constexpr,
+        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+    ):
+        WR: gl.constexpr = BP if FORWARD else BR
+        WC: gl.constexpr = BR if FORWARD else BP
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        d_smem_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BR], a_desc.layout)
+        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, WR, WC // 8], flat)
+        s_ring = gl.allocate_shared_memory(gl.int16, [STAGES, WR, WC // 32], flat)
+        d_ring = gl.allocate_shared_memory(gl.bfloat16, [DECODED, WR, WC], d_smem_lay)
+        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        d_ready = gl.allocate_shared_memory(gl.int64, [DECODED, 1], mbarrier.MBarrierLayout())
+        d_empty = gl.allocate_shared_memory(gl.int64, [DECODED, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(a_ready.index(j), count=1)
+            mbarrier.init(a_empty.index(j), count=1)
+        for j in gl.static_range(DECODED):
+            mbarrier.init(d_ready.index(j), count=1)
+            mbarrier.init(d_empty.index(j), count=1)
+        fence_async_shared()  # the initialized barriers are visible to TMA
+
+        gl.warp_specialize([
+            (_pws_mma, (a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, g_ptr, bias_ptr, out_ptr, ws_ptr,
+                        cnt_ptr, M, P, R, SPLIT_K, FORWARD, BM, BP, BR, GROUP_M, HAS_BIAS, G_PER_ROW)),
+            (_pws_decode, (a_desc, a_ring, a_ready, a_empty, packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready,
+                           d_empty, M, P, R, SPLIT_K, stride_w, stride_s, FORWARD, BM, BP, BR, GROUP_M)),
+        ], [4], [DECODE_REGS])
 
 def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
             bias: torch.Tensor | None, forward: bool, cfg: dict | None) -> torch.Tensor:
-    cfg = {**DEFAULT_CONFIG, **(cfg or {})}
+    cfg = full_config(cfg)
     m, r = a.shape
     p = packed.shape[0] if forward else packed.shape[1] * 2
     if not a.is_cuda:
@@ -279,6 +610,20 @@ def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_s
     steps = r // cfg["BR"]
     split = -(-steps // -(-steps // max(1, min(cfg["SPLIT_K"], steps))))  # no split without a step
     ws = torch.empty(split * m * p, dtype=torch.float32, device=a.device) if split > 1 else out
+    if cfg.get("WARP_SPECIALIZE"):
+        a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], cfg["BR"]], _A_SMEM_LAYOUT)  # rows ≥ M read as 0
+        persistent = cfg.get("PERSISTENT")
+        if persistent:
+            sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        grid = (min(tiles * split, sms),) if persistent else (tiles, split)
+        (_pws_kernel if persistent else _ws_kernel)[grid](
+            a_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out, ws,
+            _counters(a.device, tiles), m, p, r, packed.stride(0), scale.stride(0), split,
+            FORWARD=forward, BM=cfg["BM"], BP=cfg["BP"], BR=cfg["BR"], STAGES=cfg["STAGES"], DECODED=cfg["DECODED"],
+            GROUP_M=cfg["GROUP_M"], DECODE_REGS=cfg["DECODE_REGS"], HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1,
+            num_warps=cfg["BM"] // 16, maxnreg=cfg["MAXNREG"],
+        )
+        return out
     _wgmma_kernel[(tiles, split)](
         a, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out, ws, _counters(a.device, tiles),
         m, p, r, a.stride(0), packed.stride(0), scale.stride(0), split,
