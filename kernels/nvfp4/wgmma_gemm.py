@@ -33,8 +33,15 @@ the exact float32 dequantized weight, like every other kernel of this package.
 
 Status (H100, NOTES.md 2026-12-06 late): correct; 56-62 % of cuBLAS at M = 4096, so the learner
 keeps dequantize + cuBLAS by default. Without the decode the same pipeline reaches 85 %: the
-decode, done by every warp between two wgmmas, is what is not hidden yet (next: warp-specialized
-producers). At 256 rows it beats dequantize + cuBLAS on the 7B gate_up and down shapes.
+decode, done by every warp between two wgmmas, is what is not hidden yet. At 256 rows it beats
+dequantize + cuBLAS on the 7B gate_up and down shapes.
+
+Warp-specialized variants (config WARP_SPECIALIZE, optionally PERSISTENT; NOTES.md 2026-12-07)
+take the decode off the wgmma warps: one extra warp group (fewer registers, `setmaxnreg`) loads
+the packed weight and scales by cp.async and decodes into the bf16 buffers, the kernel's two
+warp groups only wait on mbarriers and issue wgmma, the input tile comes by TMA. PERSISTENT runs
+one program per SM over all tiles, so a tile's epilogue overlaps the next tile's decode.
+Compiled and checked offline only so far (no GPU could be had in that session).
 """
 from __future__ import annotations
 
