@@ -100,10 +100,8 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
             consts.update({k: c[k] for k in ("DECODED", "DECODE_REGS")})
             del ptrs["a_ptr"]
             ptrs["a_desc"] = f"tensordesc<bf16[{c['BM']}, {c['BR']}],{wgmma_gemm._A_SMEM_LAYOUT!r}>"
-            options["maxnreg"] = c["MAXNREG"]
-        fn = wgmma_gemm._wgmma_kernel
-        if c.get("WARP_SPECIALIZE"):
-            fn = wgmma_gemm._pws_kernel if c.get("PERSISTENT") else wgmma_gemm._ws_kernel
+            options.update(maxnreg=c["MAXNREG"], num_warps=c["WARPS"])
+        fn = wgmma_gemm._ws_kernel if c.get("WARP_SPECIALIZE") else wgmma_gemm._wgmma_kernel
         src = _source(GluonASTSource, fn, ptrs, consts, div16)
         return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options),
                              out, "_".join(f"{v}" for v in ("wgmma", *consts.values())))

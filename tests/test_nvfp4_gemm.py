@@ -230,16 +230,16 @@ def test_wgmma_kernel_overlaps_decode_and_wgmma_without_spills_on_hopper():
         assert r["sass_loop_instructions"] <= 340, r
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper(persistent):
-    """Compiled for sm_90a without a GPU: the warp-specialized variants give the decode one warp
-    group with fewer registers (setmaxnreg) and the wgmma warps the rest, hand buffers over by
-    mbarriers, load the input by TMA, keep their wgmma asynchronous and do not spill."""
+def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper():
+    """Compiled for sm_90a without a GPU (checked and timed on one by nvfp4_wgmma_check.py): the
+    warp-specialized variant gives the decode one warp group with fewer registers (setmaxnreg) and
+    the wgmma warps the rest, hands buffers over by mbarriers, loads the input by TMA, keeps its
+    wgmma asynchronous and does not spill."""
     import os
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cfg = json.dumps({"WGMMA": True, "WARP_SPECIALIZE": True, "PERSISTENT": persistent})
+    cfg = json.dumps({"WGMMA": True, "WARP_SPECIALIZE": True})
     reports = []
     for extra in ([], ["--dx"]):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *extra, "--config", cfg],
@@ -249,10 +249,11 @@ def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper(persist
     assert len(reports) == 2
     for r in reports:
         mem = r["memory_instructions"]
-        assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 8, r
+        # 256 × 128 tile: each warp group 2 × (64 × 128 × 16) per k16, 4 k16 per step; step 0 peeled
+        assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 16, r
         assert r["setmaxnreg"] == {"dec": [24, 184], "inc": [128, 240]}, r  # decode 128, wgmma warps 184
         assert r["mbarrier_arrives"] >= 2 and r["tma_loads"] >= 2, r  # hand-overs; the input's first + next steps
-        assert mem.get("st.shared.v4.b32", 0) >= 16 and mem.get("cp.async.cg.shared.global", 0) >= 2, r
+        assert mem.get("st.shared.v4.b32", 0) >= 8 and mem.get("cp.async.cg.shared.global", 0) >= 2, r
 
 
 def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):

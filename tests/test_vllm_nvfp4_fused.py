@@ -38,8 +38,8 @@ def test_config_table_covers_every_row_count(tmp_path, monkeypatch):
     assert serving.config_for(16, 37888, 3584, 132)["SPLIT_K"] == 1
     assert serving.config_for(16, 3584, 18944, 132)["SPLIT_K"] > 1
     # on Hopper the wgmma kernel takes the rest where it has a CTA per SM: gate_up at 256 rows
-    # (2 x 148 tiles of 128 x 256), not q/k/v (2 x 18), which stays with dequantize + cuBLAS
-    assert serving.config_for(256, 37888, 3584, 132, wgmma=True) == {"WGMMA": True}
+    # (296 tiles of 256 x 128), not q/k/v (36), which stays with dequantize + cuBLAS
+    assert serving.config_for(256, 37888, 3584, 132, wgmma=True) == {"WGMMA": True, "WARP_SPECIALIZE": True}
     assert serving.config_for(256, 4608, 3584, 132, wgmma=True) is None
     assert serving.config_for(64, 37888, 3584, 132, wgmma=True)["BLOCK_M"] == 32  # the tables first
 

@@ -774,10 +774,10 @@ def _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias: bool, trans_w: bool
     )
 
 
-# From this many input rows on, the autotuned path (config None) hands Hopper GPUs to the wgmma
-# kernel of `wgmma_gemm` (decode into shared memory, then wgmma) where the shape fits it. 0 (the
-# default: at 56-62 % of cuBLAS on an H100 it loses to dequantize + cuBLAS at learner sizes,
-# NOTES.md 2026-12-06 late): never.
+# From this many input rows on, the autotuned path (config None) hands Hopper GPUs to the
+# warp-specialized wgmma kernel of `wgmma_gemm` (WS_CONFIG: decode into shared memory by one warp
+# group, wgmma by two) where the shape fits it. 0 (the default: at 72-79 % of cuBLAS on an H100 it
+# still loses to dequantize + cuBLAS at learner sizes, NOTES.md 2026-12-07): never.
 WGMMA_MIN_M = int(os.environ.get("QERL_NVFP4_WGMMA_MIN_M", "0"))
 
 
@@ -790,7 +790,7 @@ def _wgmma_fits(a2: torch.Tensor, m: int, n_out: int, red: int, trans_w: bool, g
         return False
     from . import wgmma_gemm
     return (wgmma_gemm.AVAILABLE and torch.cuda.get_device_capability(a2.device)[0] == 9
-            and wgmma_gemm.supports(m, n_out, red, wgmma_gemm.DEFAULT_CONFIG, not trans_w))
+            and wgmma_gemm.supports(m, n_out, red, wgmma_gemm.WS_CONFIG, not trans_w))
 
 
 def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias, trans_w: bool,
@@ -829,7 +829,7 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
             packed = packed.clone()
         if scale.data_ptr() % 4:  # 4-byte copies of the block scales
             scale = scale.clone()
-        cfg = {k: v for k, v in (config or {}).items() if k != "WGMMA"}
+        cfg = {k: v for k, v in (config or wgmma_gemm.WS_CONFIG).items() if k != "WGMMA"}
         out = (wgmma_gemm.grad_input_wgmma(a2, packed, scale, g, cfg=cfg) if trans_w
                else wgmma_gemm.linear_wgmma(a2, packed, scale, g, bias_arg if has_bias else None, cfg=cfg))
     elif config is not None and config.get("DECODE"):

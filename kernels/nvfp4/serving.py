@@ -69,9 +69,10 @@ SERVING_CONFIGS: list[tuple[int, dict]] = [
 ]
 MAX_SPLIT = 8
 TABLE_ENV = "QERL_NVFP4_SERVING_CONFIGS"
-# "1": the wgmma kernel (wgmma_gemm.py) takes the rows neither table covers, on Hopper. Off: at 256
-# rows on an H100 it beats dequantize + cuBLAS on gate_up (1.36x) but not on qkv or o, and it has
-# not run inside vLLM yet (kernels/nvfp4/NOTES.md, 2026-12-06 late)
+# "1": the warp-specialized wgmma kernel (wgmma_gemm.py, WS_CONFIG) takes the rows neither table
+# covers, on Hopper, where its 256 × 128 tiles give every SM one. Off: at 256 rows on an H100 it is
+# 1.8x dequantize + cuBLAS on gate_up (the one 7B shape with that many tiles at 256 rows), but it
+# has not run inside vLLM yet (kernels/nvfp4/NOTES.md, 2026-12-07)
 WGMMA_ENV = "QERL_NVFP4_SERVING_WGMMA"
 PDL_ENV = "QERL_NVFP4_PDL"  # "1": programmatic dependent launch (gemm._pdl_start); off: slower in vLLM
 MEASURED_KEYS = ("us", "cublas_bf16_us", "dequant_cublas_us")  # figures beside each config, not kernel arguments
@@ -133,9 +134,9 @@ def config_for(m: int, n: int, k: int, sms: int, decode: bool = True, wgmma: boo
             return dict(cfg, SPLIT_K=_split_k(tiles, k // cfg["BLOCK_K"], sms))
     if wgmma:
         from . import wgmma_gemm
-        c = wgmma_gemm.DEFAULT_CONFIG
+        c = wgmma_gemm.WS_CONFIG
         if wgmma_gemm.AVAILABLE and wgmma_gemm.supports(m, n, k, c) and triton.cdiv(m, c["BM"]) * (n // c["BP"]) >= sms:
-            return {"WGMMA": True}
+            return {"WGMMA": True, "WARP_SPECIALIZE": True}
     return None
 
 

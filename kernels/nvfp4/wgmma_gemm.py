@@ -36,12 +36,12 @@ keeps dequantize + cuBLAS by default. Without the decode the same pipeline reach
 decode, done by every warp between two wgmmas, is what is not hidden yet. At 256 rows it beats
 dequantize + cuBLAS on the 7B gate_up and down shapes.
 
-Warp-specialized variants (config WARP_SPECIALIZE, optionally PERSISTENT; NOTES.md 2026-12-07)
-take the decode off the wgmma warps: one extra warp group (fewer registers, `setmaxnreg`) loads
-the packed weight and scales by cp.async and decodes into the bf16 buffers, the kernel's two
-warp groups only wait on mbarriers and issue wgmma, the input tile comes by TMA. PERSISTENT runs
-one program per SM over all tiles, so a tile's epilogue overlaps the next tile's decode.
-Compiled and checked offline only so far (no GPU could be had in that session).
+The warp-specialized variant (WS_CONFIG, NOTES.md 2026-12-07) takes the decode off the wgmma
+warps: one extra warp group (fewer registers, `setmaxnreg`) loads the packed weight and scales by
+cp.async and decodes into the bf16 buffers, the kernel's two warp groups only wait on mbarriers
+and issue wgmma, the input tile comes by TMA; with a 256 × 128 tile it reaches 72-79 % of cuBLAS
+at M = 4096 (H100), still below dequantize + cuBLAS (a 7B layer's fwd + dX: 28.3 vs 22.4 ms), and
+1.8× dequantize + cuBLAS on vLLM's fused gate_up at 256 rows.
 """
 from __future__ import annotations
 
@@ -72,12 +72,14 @@ __all__ = ["AVAILABLE", "DEFAULT_CONFIG", "WS_CONFIG", "full_config", "grad_inpu
 # SPLIT_K > 1 splits the reduction over that many programs per tile (fp32 partials in a
 # workspace, the last to arrive sums them in split order): for few tiles (serving-sized M).
 DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8, "SPLIT_K": 1}
-# WARP_SPECIALIZE: the kernel `_ws_kernel` instead, where one warp group decodes into DECODED
-# bf16 buffers and the BM / 16 other warps only load the input (TMA, a ring of STAGES) and issue
-# wgmma; the decode warps get DECODE_REGS registers per thread, the kernel MAXNREG (the wgmma
-# warps get what is left). 128 × 256 × 64 with 4 stages and 3 buffers uses ~197 KB.
-WS_CONFIG = {**DEFAULT_CONFIG, "WARP_SPECIALIZE": True, "STAGES": 4, "DECODED": 3, "DECODE_REGS": 128,
-             "MAXNREG": 168}
+# WARP_SPECIALIZE: the kernel `_ws_kernel` instead, where one extra warp group decodes into
+# DECODED bf16 buffers and the kernel's WARPS warps (two warp groups, BM / 2 rows each) only load
+# the input (TMA, a ring of STAGES) and issue wgmma; the decode warps get DECODE_REGS registers per
+# thread, the kernel MAXNREG (the wgmma warps get what is left: 184). 256 × 128 halves the decode
+# per multiply-add against 128 × 256 (each weight is decoded once per BM input rows): 72-79 % of
+# cuBLAS at M = 4096 on an H100 where 128 × 256 gave 53-61 % (NOTES.md, 2026-12-07). ~194 KB.
+WS_CONFIG = {**DEFAULT_CONFIG, "WARP_SPECIALIZE": True, "BM": 256, "BP": 128, "STAGES": 4, "DECODED": 3,
+             "DECODE_REGS": 128, "MAXNREG": 168, "WARPS": 8}
 
 
 def full_config(cfg: dict | None) -> dict:
@@ -406,7 +408,8 @@ if AVAILABLE:
     ):
         """Warp-specialized: one warp group decodes the weight into DECODED bf16 buffers (mbarriers
         `d_ready` / `d_empty`), the kernel's num_warps (two warp groups) load the input by TMA into
-        a ring of STAGES (`a_ready`) and only issue wgmma."""
+        a ring of STAGES (`a_ready`) and only issue wgmma. No step barrier couples the two: the
+        decode runs up to DECODED - 1 steps ahead of the multiply."""
         WR: gl.constexpr = BP if FORWARD else BR
         WC: gl.constexpr = BR if FORWARD else BP
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -434,158 +437,6 @@ if AVAILABLE:
                        FORWARD, BM, BP, BR, HAS_BIAS, G_PER_ROW)),
             (_ws_decode, (packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready, d_empty, n_k, k0, off_p,
                           stride_w, stride_s, FORWARD, BP, BR)),
-        ], [4], [DECODE_REGS])
-    # The persistent warp-specialized kernel: a grid of at most one program per SM, each walking the
-    # work items (tile, split) pid, pid + grid, ...; both partitions walk the same items and count the
-    # same global steps q (ring slot q % depth, phase (q // depth) & 1):
-    #   decode (1 warp group):  the input tile of step q + STAGES - 3 by TMA (a_empty → a_ready), the
-    #                           packed weight and scales by cp.async (its own ring, restarted per tile),
-    #                           decoded into d_ring (d_empty → d_ready);
-    #   mma (BM / 16 warps):    wgmma, then hands step q - 1's slots back; a tile's epilogue overlaps
-    #                           the next tile's loads and decode.
-    # The input runs STAGES - 3 steps ahead of the decode so that the decode, up to DECODED - 1 = 2
-    # steps ahead of the wgmma, never waits for an input slot (a wait for step q + STAGES - 3's slot
-    # is a wait for the wgmma of step q - 3).
-    @gluon.jit
-    def _pws_load_a(a_desc, a_ring, a_ready, a_empty, q, off_m, kk, BR: gl.constexpr):
-        NA: gl.constexpr = a_ring.shape[0]
-        slot = q % NA
-        mbarrier.wait(a_empty.index(slot), ((q // NA) & 1) ^ 1)
-        mbarrier.expect(a_ready.index(slot), a_ring.shape[1] * a_ring.shape[2] * 2)
-        _tma_load(a_desc, [off_m, kk * BR], a_ready.index(slot), a_ring.index(slot))
-
-    @gluon.jit
-    def _pws_decode(a_desc, a_ring, a_ready, a_empty, packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready,
-                    d_empty, M, P, R, SPLIT_K, stride_w, stride_s, FORWARD: gl.constexpr, BM: gl.constexpr,
-                    BP: gl.constexpr, BR: gl.constexpr, GROUP_M: gl.constexpr):
-        W: gl.constexpr = gl.num_warps()
-        WR: gl.constexpr = BP if FORWARD else BR
-        WC: gl.constexpr = BR if FORWARD else BP
-        DS: gl.constexpr = w_ring.shape[0]
-        ND: gl.constexpr = d_ring.shape[0]
-        LA: gl.constexpr = a_ring.shape[0] - 3  # input steps ahead of the decode
-        w_lay: gl.constexpr = _rows_layout(WC // 8, 4, W)
-        p_lay: gl.constexpr = _rows_layout(WC // 32, 1, W)
-        sc_lay: gl.constexpr = _rows_layout(WC // 32, 2, W)
-        tiles = gl.cdiv(M, BM) * (P // BP)
-        q = 0
-        for item in range(gl.program_id(0), tiles * SPLIT_K, gl.num_programs(0)):
-            off_m, off_p, k0, n_k = _tile(item % tiles, item // tiles, M, P, R, SPLIT_K, BM, BP, BR, GROUP_M)
-            w_ptrs, s_ptrs, w_step, s_step = _weight_pointers(packed_ptr, scale_ptr, k0, off_p, stride_w, stride_s,
-                                                              FORWARD, BR, WR, WC, w_lay, sc_lay)
-            for j in gl.static_range(LA):
-                if j < n_k:
-                    _pws_load_a(a_desc, a_ring, a_ready, a_empty, q + j, off_m, k0 + j, BR)
-            # the weight ring restarts with each tile: everyone has read the previous tile's slots
-            _cta_barrier()
-            for j in gl.static_range(DS - 1):  # steps 0 .. DS - 2, one commit group each
-                if j < n_k:
-                    _copy_to_shared(w_ring.index(j), w_ptrs + j * w_step)
-                    _copy_to_shared(s_ring.index(j), s_ptrs + j * s_step)
-                async_copy.commit_group()
-            for i in range(n_k):
-                if i + LA < n_k:
-                    _pws_load_a(a_desc, a_ring, a_ready, a_empty, q + LA, off_m, k0 + i + LA, BR)
-                async_copy.wait_group(DS - 2)  # step i has landed (this thread's copies) ...
-                _cta_barrier()  # ... and everyone's; everyone has read step i - 1's slot: refill it
-                nxt = i + DS - 1
-                if nxt < n_k:
-                    _copy_to_shared(w_ring.index(nxt % DS), w_ptrs + nxt * w_step)
-                    _copy_to_shared(s_ring.index(nxt % DS), s_ptrs + nxt * s_step)
-                async_copy.commit_group()
-                v = _decode_tile(w_ring.index(i % DS).load(w_lay), s_ring.index(i % DS).load(p_lay), WR, WC, w_lay)
-                slot = q % ND
-                mbarrier.wait(d_empty.index(slot), ((q // ND) & 1) ^ 1)  # step q - ND's wgmma is done
-                d_ring.index(slot).store(v)
-                fence_async_shared()  # visible to the wgmma (async proxy) ...
-                _cta_barrier()  # ... from every thread of this partition, before the one arrive
-                mbarrier.arrive(d_ready.index(slot), count=1)
-                q += 1
-        async_copy.wait_group(0)
-
-    @gluon.jit
-    def _pws_release(q, a_empty, d_empty, NA: gl.constexpr, ND: gl.constexpr):
-        """Step q's wgmma has finished in this warp group; after the barrier, in both: free its slots."""
-        _cta_barrier()
-        mbarrier.arrive(a_empty.index(q % NA), count=1)
-        mbarrier.arrive(d_empty.index(q % ND), count=1)
-
-    @gluon.jit
-    def _pws_mma_step(q, acc, a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, FIRST: gl.constexpr,
-                      FORWARD: gl.constexpr):
-        NA: gl.constexpr = a_ring.shape[0]
-        ND: gl.constexpr = d_ring.shape[0]
-        mbarrier.wait(a_ready.index(q % NA), (q // NA) & 1)
-        mbarrier.wait(d_ready.index(q % ND), (q // ND) & 1)
-        d = d_ring.index(q % ND)
-        if FORWARD:
-            b = d.permute((1, 0))  # [BR, BP], K-major
-        else:
-            b = d  # [BR, BP], N-major
-        acc = warpgroup_mma(a_ring.index(q % NA), b, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # this warp group's step q - 1 is done
-        if not FIRST:
-            _pws_release(q - 1, a_empty, d_empty, NA, ND)
-        return acc
-
-    @gluon.jit
-    def _pws_mma(a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-                 M, P, R, SPLIT_K, FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
-                 GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr):
-        W: gl.constexpr = gl.num_warps()
-        NA: gl.constexpr = a_ring.shape[0]
-        ND: gl.constexpr = d_ring.shape[0]
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BP, 16])
-        tiles = gl.cdiv(M, BM) * (P // BP)
-        q = 0
-        for item in range(gl.program_id(0), tiles * SPLIT_K, gl.num_programs(0)):
-            tile = item % tiles
-            split = item // tiles
-            off_m, off_p, k0, n_k = _tile(tile, split, M, P, R, SPLIT_K, BM, BP, BR, GROUP_M)
-            # step 0 of the tile outside the loop (see _wgmma_kernel: else ptxas serializes every wgmma)
-            acc = gl.zeros([BM, BP], gl.float32, layout=mma)
-            acc = _pws_mma_step(q, acc, a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, True, FORWARD)
-            for i in range(1, n_k):
-                acc = _pws_mma_step(q + i, acc, a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, False, FORWARD)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            q += n_k
-            _pws_release(q - 1, a_empty, d_empty, NA, ND)
-            _store_tile(acc, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K, off_m, off_p, tile, split,
-                        BM, BP, HAS_BIAS, G_PER_ROW, mma)
-
-    @gluon.jit
-    def _pws_kernel(
-        a_desc, packed_ptr, scale_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-        M, P, R, stride_w, stride_s, SPLIT_K,
-        FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
-        STAGES: gl.constexpr, DECODED: gl.constexpr, GROUP_M: gl.constexpr, DECODE_REGS: gl.constexpr,
-        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
-    ):
-        WR: gl.constexpr = BP if FORWARD else BR
-        WC: gl.constexpr = BR if FORWARD else BP
-        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        d_smem_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BR], a_desc.layout)
-        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, WR, WC // 8], flat)
-        s_ring = gl.allocate_shared_memory(gl.int16, [STAGES, WR, WC // 32], flat)
-        d_ring = gl.allocate_shared_memory(gl.bfloat16, [DECODED, WR, WC], d_smem_lay)
-        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        d_ready = gl.allocate_shared_memory(gl.int64, [DECODED, 1], mbarrier.MBarrierLayout())
-        d_empty = gl.allocate_shared_memory(gl.int64, [DECODED, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(STAGES):
-            mbarrier.init(a_ready.index(j), count=1)
-            mbarrier.init(a_empty.index(j), count=1)
-        for j in gl.static_range(DECODED):
-            mbarrier.init(d_ready.index(j), count=1)
-            mbarrier.init(d_empty.index(j), count=1)
-        fence_async_shared()  # the initialized barriers are visible to TMA
-
-        gl.warp_specialize([
-            (_pws_mma, (a_ring, a_ready, a_empty, d_ring, d_ready, d_empty, g_ptr, bias_ptr, out_ptr, ws_ptr,
-                        cnt_ptr, M, P, R, SPLIT_K, FORWARD, BM, BP, BR, GROUP_M, HAS_BIAS, G_PER_ROW)),
-            (_pws_decode, (a_desc, a_ring, a_ready, a_empty, packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready,
-                           d_empty, M, P, R, SPLIT_K, stride_w, stride_s, FORWARD, BM, BP, BR, GROUP_M)),
         ], [4], [DECODE_REGS])
 
 def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -619,16 +470,12 @@ def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_s
     ws = torch.empty(split * m * p, dtype=torch.float32, device=a.device) if split > 1 else out
     if cfg.get("WARP_SPECIALIZE"):
         a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], cfg["BR"]], _A_SMEM_LAYOUT)  # rows ≥ M read as 0
-        persistent = cfg.get("PERSISTENT")
-        if persistent:
-            sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        grid = (min(tiles * split, sms),) if persistent else (tiles, split)
-        (_pws_kernel if persistent else _ws_kernel)[grid](
+        _ws_kernel[(tiles, split)](
             a_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out, ws,
             _counters(a.device, tiles), m, p, r, packed.stride(0), scale.stride(0), split,
             FORWARD=forward, BM=cfg["BM"], BP=cfg["BP"], BR=cfg["BR"], STAGES=cfg["STAGES"], DECODED=cfg["DECODED"],
             GROUP_M=cfg["GROUP_M"], DECODE_REGS=cfg["DECODE_REGS"], HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1,
-            num_warps=cfg["BM"] // 16, maxnreg=cfg["MAXNREG"],
+            num_warps=cfg["WARPS"], maxnreg=cfg["MAXNREG"],
         )
         return out
     _wgmma_kernel[(tiles, split)](
