@@ -4,6 +4,7 @@
     python benchmarks/nvfp4_gemm_ptx.py --dx --config '...' --out /tmp/k    # also keep TTGIR / PTX
     python benchmarks/nvfp4_gemm_ptx.py --config '{"GEMV":true,"BLOCK_N":64,"BLOCK_K":128,"num_warps":8}'
     python benchmarks/nvfp4_gemm_ptx.py --config '{"DECODE":true,"RW":1,"KV":1,"MT":8,"num_warps":4}'  # Gluon
+    python benchmarks/nvfp4_gemm_ptx.py --config '{"WGMMA":true,"WARP_SPECIALIZE":true}'  # Gluon, wgmma_gemm.py
 
 Per config it prints registers, spill bytes, shared memory, the wgmma count and the mix of
 memory instructions in the PTX (byte vs vector shared-memory loads, cp.async, shuffles,
@@ -180,7 +181,8 @@ def main() -> int:
     ap.add_argument("--config", type=json.loads, action="append", required=True,
                     help="kernel config as JSON (BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages, "
                          "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K; or DECODE: true "
-                         "with RW, KV, MT (8 or 16 input rows), num_warps); "
+                         "with RW, KV, MT (8 or 16 input rows), num_warps; or WGMMA: true with wgmma_gemm's config "
+                         "keys, WARP_SPECIALIZE: true for its warp-specialized kernel); "
                          "repeat for several")
     ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
     ap.add_argument("--out", type=Path, help="also write each config's TTGIR, PTX and cubin here")

@@ -439,6 +439,7 @@ if AVAILABLE:
                           stride_w, stride_s, FORWARD, BP, BR)),
         ], [4], [DECODE_REGS])
 
+
 def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
             bias: torch.Tensor | None, forward: bool, cfg: dict | None) -> torch.Tensor:
     cfg = full_config(cfg)
