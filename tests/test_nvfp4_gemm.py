@@ -273,6 +273,11 @@ def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):
     assert not wgmma_gemm.supports(4096, 3584, 3584, wide) and not wgmma_gemm.supports(4096, 3584, 3584, wide, False)
     narrow = {**wgmma_gemm.DEFAULT_CONFIG, "BP": 128, "STAGES": 6}  # 8 warps: 128 (64) rows, one pass
     assert wgmma_gemm.supports(4096, 3584, 3584, narrow) and wgmma_gemm.supports(4096, 3584, 3584, narrow, False)
+    # the warp-specialized 256 x 128 tile decodes with its own 4 warps: every 7B shape, not SmolLM2's 576
+    ws = {"WARP_SPECIALIZE": True}
+    assert all(wgmma_gemm.supports(64, n, k, ws, fwd) for n, k in ((512, 3584), (18944, 3584), (3584, 18944))
+               for fwd in (True, False))
+    assert not wgmma_gemm.supports(64, 576, 576, ws)
     monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma")
     assert backend_name(x) == "reference"
     monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma2")
