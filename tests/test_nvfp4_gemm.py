@@ -203,23 +203,29 @@ def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
     assert r["sass_loop_ops"].get("LDGSTS", 0) >= 3 and r["sass_loop_instructions"] <= 245, r
 
 
+def _wgmma_ptx_reports(cfg: dict) -> list[dict]:
+    """benchmarks/nvfp4_gemm_ptx.py's reports on `cfg`, forward then dX (compiled for sm_90a, no GPU)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    reports = []
+    for extra in ([], ["--dx"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *extra,
+                               "--config", json.dumps(cfg)],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reports += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2
+    return reports
+
+
 def test_wgmma_kernel_overlaps_decode_and_wgmma_without_spills_on_hopper():
     """Compiled for sm_90a without a GPU (checked and timed on one by benchmarks/nvfp4_wgmma_check.py):
     forward and dX of the many-rows kernel keep their wgmma asynchronous (one wait that leaves one
     group in flight, and ptxas did not serialize them: C7515), decode into shared memory with
     16-byte stores, get their operands by cp.async, and do not spill."""
-    import os
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cfg = json.dumps({"WGMMA": True})
-    reports = []
-    for extra in ([], ["--dx"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *extra, "--config", cfg],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        reports += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 2
+    reports = _wgmma_ptx_reports({"WGMMA": True})
     for r in reports:
         mem = r["memory_instructions"]
         assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"], r
@@ -235,18 +241,7 @@ def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper():
     warp-specialized variant gives the decode one warp group with fewer registers (setmaxnreg) and
     the wgmma warps the rest, hands buffers over by mbarriers, loads the input by TMA, keeps its
     wgmma asynchronous and does not spill."""
-    import os
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cfg = json.dumps({"WGMMA": True, "WARP_SPECIALIZE": True})
-    reports = []
-    for extra in ([], ["--dx"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *extra, "--config", cfg],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        reports += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 2
+    reports = _wgmma_ptx_reports({"WGMMA": True, "WARP_SPECIALIZE": True})
     for r in reports:
         mem = r["memory_instructions"]
         # 256 × 128 tile: each warp group 2 × (64 × 128 × 16) per k16, 4 k16 per step; step 0 peeled

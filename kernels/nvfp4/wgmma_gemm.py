@@ -310,13 +310,18 @@ if AVAILABLE:
             tma.async_copy_global_to_shared(desc, coord, bar, smem)
 
     @gluon.jit
+    def _ws_load_a(a_desc, a_ring, a_ready, slot, off_m, kk, BR: gl.constexpr):
+        """The input tile of reduction step kk into a_ring[slot] by TMA; a_ready[slot] counts its bytes."""
+        mbarrier.expect(a_ready.index(slot), a_ring.shape[1] * a_ring.shape[2] * 2)
+        _tma_load(a_desc, [off_m, kk * BR], a_ready.index(slot), a_ring.index(slot))
+
+    @gluon.jit
     def _ws_mma_step(i, acc, a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m,
                      FORWARD: gl.constexpr, BR: gl.constexpr):
         """Multiply step i (async) once its input and decoded weight are in; then step i - 1's
         wgmma has finished in both warp groups: hand its decoded buffer back, refill its input slot."""
         NA: gl.constexpr = a_ring.shape[0]
         ND: gl.constexpr = d_ring.shape[0]
-        A_BYTES: gl.constexpr = a_ring.shape[1] * a_ring.shape[2] * 2
         mbarrier.wait(a_ready.index(i % NA), (i // NA) & 1)
         mbarrier.wait(d_ready.index(i % ND), (i // ND) & 1)
         d = d_ring.index(i % ND)
@@ -332,9 +337,7 @@ if AVAILABLE:
             mbarrier.arrive(d_empty.index(prev % ND), count=1)
             nxt = prev + NA
             if nxt < n_k:
-                slot = prev % NA
-                mbarrier.expect(a_ready.index(slot), A_BYTES)
-                _tma_load(a_desc, [off_m, (k0 + nxt) * BR], a_ready.index(slot), a_ring.index(slot))
+                _ws_load_a(a_desc, a_ring, a_ready, prev % NA, off_m, k0 + nxt, BR)
         return acc
 
     @gluon.jit
@@ -345,12 +348,10 @@ if AVAILABLE:
         """The default partition (two warp groups): input tiles by TMA, wgmma, the epilogue."""
         W: gl.constexpr = gl.num_warps()
         NA: gl.constexpr = a_ring.shape[0]
-        A_BYTES: gl.constexpr = BM * BR * 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BP, 16])
         for j in gl.static_range(NA):
             if j < n_k:
-                mbarrier.expect(a_ready.index(j), A_BYTES)
-                _tma_load(a_desc, [off_m, (k0 + j) * BR], a_ready.index(j), a_ring.index(j))
+                _ws_load_a(a_desc, a_ring, a_ready, j, off_m, k0 + j, BR)
         # step 0 outside the loop (see _wgmma_kernel: else ptxas serializes every wgmma, C7515)
         acc = gl.zeros([BM, BP], gl.float32, layout=mma)
         acc = _ws_mma_step(0, acc, a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m, FORWARD, BR)
