@@ -24,8 +24,9 @@ The GEMMs go through `_backend(x)`, the one place that picks the implementation:
 * on Hopper with `QERL_NVFP4_GEMM=wgmma` (or `auto` once AUTO_WGMMA is set): the wgmma kernel of
   `kernels/nvfp4/wgmma_gemm.py` (decodes into shared memory, never writes Ŵ to HBM) for the
   learner's M ≥ 64 rows on whole tiles, dequantize + cuBLAS elsewhere (`_Wgmma`). Correct, but
-  on an H100 it runs at 56-62 % of cuBLAS and one 7B layer's fwd + dX takes 36.1 ms against
-  21.9 ms with dequantize + cuBLAS (NOTES.md, 2026-12-06, late), so `auto` does not take it;
+  on an H100 its warp-specialized kernel runs at 72-79 % of cuBLAS and one 7B layer's fwd + dX
+  takes 28.3 ms against 22.4 ms with dequantize + cuBLAS (NOTES.md, 2026-12-07), so `auto` does
+  not take it;
 * otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
   byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
   decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
