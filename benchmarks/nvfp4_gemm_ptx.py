@@ -98,7 +98,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         div16 = [*ptrs, "P", "R", "stride_am", "stride_w", "stride_s"]
         options = {"num_warps": c["BM"] // 16}
         if c.get("WARP_SPECIALIZE"):
-            consts.update({k: c[k] for k in ("DECODED", "DECODE_REGS")})
+            consts.update({k: c[k] for k in ("DECODED", "DECODE_REGS", "DECODE_WARPS")})
             del ptrs["a_ptr"]
             ptrs["a_desc"] = f"tensordesc<bf16[{c['BM']}, {c['BR']}],{wgmma_gemm._A_SMEM_LAYOUT!r}>"
             options.update(maxnreg=c["MAXNREG"], num_warps=c["WARPS"])

@@ -236,19 +236,24 @@ def test_wgmma_kernel_overlaps_decode_and_wgmma_without_spills_on_hopper():
         assert r["sass_loop_instructions"] <= 340, r
 
 
-def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper():
+@pytest.mark.parametrize("extra, regs, stores", [
+    ({}, {"dec": [24, 184], "inc": [128, 240]}, 8),  # one decode warp group at 128 registers, wgmma warps 184
+    ({"DECODE_WARPS": 8, "DECODE_REGS": 88, "MAXNREG": 128}, {"dec": [24, 168], "inc": [88, 232]}, 4),  # two at 88
+])
+def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper(extra, regs, stores):
     """Compiled for sm_90a without a GPU (checked and timed on one by nvfp4_wgmma_check.py): the
-    warp-specialized variant gives the decode one warp group with fewer registers (setmaxnreg) and
-    the wgmma warps the rest, hands buffers over by mbarriers, loads the input by TMA, keeps its
-    wgmma asynchronous and does not spill."""
-    reports = _wgmma_ptx_reports({"WGMMA": True, "WARP_SPECIALIZE": True})
+    warp-specialized variant gives the decode one warp group (or two) with fewer registers
+    (setmaxnreg) and the wgmma warps the rest, hands buffers over by mbarriers, loads the input by
+    TMA, keeps its wgmma asynchronous and does not spill."""
+    reports = _wgmma_ptx_reports({"WGMMA": True, "WARP_SPECIALIZE": True, **extra})
     for r in reports:
         mem = r["memory_instructions"]
         # 256 × 128 tile: each warp group 2 × (64 × 128 × 16) per k16, 4 k16 per step; step 0 peeled
         assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 16, r
-        assert r["setmaxnreg"] == {"dec": [24, 184], "inc": [128, 240]}, r  # decode 128, wgmma warps 184
+        assert r["setmaxnreg"] == regs, r
         assert r["mbarrier_arrives"] >= 2 and r["tma_loads"] >= 2, r  # hand-overs; the input's first + next steps
-        assert mem.get("st.shared.v4.b32", 0) >= 8 and mem.get("cp.async.cg.shared.global", 0) >= 2, r
+        # a 128 × 64 weight tile per step: 8 (4) words per decoding thread, one 16-byte store each
+        assert mem.get("st.shared.v4.b32", 0) >= stores and mem.get("cp.async.cg.shared.global", 0) >= 2, r
 
 
 def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):
@@ -269,10 +274,12 @@ def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):
     narrow = {**wgmma_gemm.DEFAULT_CONFIG, "BP": 128, "STAGES": 6}  # 8 warps: 128 (64) rows, one pass
     assert wgmma_gemm.supports(4096, 3584, 3584, narrow) and wgmma_gemm.supports(4096, 3584, 3584, narrow, False)
     # the warp-specialized 256 x 128 tile decodes with its own 4 warps: every 7B shape, not SmolLM2's 576
-    ws = {"WARP_SPECIALIZE": True}
-    assert all(wgmma_gemm.supports(64, n, k, ws, fwd) for n, k in ((512, 3584), (18944, 3584), (3584, 18944))
-               for fwd in (True, False))
-    assert not wgmma_gemm.supports(64, 576, 576, ws)
+    for ws in ({"WARP_SPECIALIZE": True}, {"WARP_SPECIALIZE": True, "DECODE_WARPS": 8}):
+        assert all(wgmma_gemm.supports(64, n, k, ws, fwd) for n, k in ((512, 3584), (18944, 3584), (3584, 18944))
+                   for fwd in (True, False))
+        assert not wgmma_gemm.supports(64, 576, 576, ws)
+    # 16 decoding warps would give a 128 × 64 tile's words to more threads than it has (4 each)
+    assert not wgmma_gemm.supports(4096, 3584, 3584, {"WARP_SPECIALIZE": True, "DECODE_WARPS": 16})
     monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma")
     assert backend_name(x) == "reference"
     monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma2")

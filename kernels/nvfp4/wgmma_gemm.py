@@ -79,7 +79,7 @@ DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8, "SP
 # per multiply-add against 128 × 256 (each weight is decoded once per BM input rows): 72-79 % of
 # cuBLAS at M = 4096 on an H100 where 128 × 256 gave 53-61 % (NOTES.md, 2026-12-07). ~194 KB.
 WS_CONFIG = {**DEFAULT_CONFIG, "WARP_SPECIALIZE": True, "BM": 256, "BP": 128, "STAGES": 4, "DECODED": 3,
-             "DECODE_REGS": 128, "MAXNREG": 168, "WARPS": 8}
+             "DECODE_REGS": 128, "MAXNREG": 168, "WARPS": 8, "DECODE_WARPS": 4}
 
 
 def full_config(cfg: dict | None) -> dict:
@@ -94,7 +94,7 @@ def supports(m: int, p: int, r: int, cfg: dict, forward: bool = True) -> bool:
     that would decode some words twice, e.g. BM 256 with BP 128 in the forward)."""
     cfg = full_config(cfg)
     wr, wc = (cfg["BP"], cfg["BR"]) if forward else (cfg["BR"], cfg["BP"])
-    warps = 4 if cfg.get("WARP_SPECIALIZE") else cfg["BM"] // 16
+    warps = cfg["DECODE_WARPS"] if cfg.get("WARP_SPECIALIZE") else cfg["BM"] // 16
     rows_per_pass = 32 // (wc // 32) * warps  # _rows_layout(wc / 8, 4, warps)
     return m >= 1 and p % cfg["BP"] == 0 and r % cfg["BR"] == 0 and wr % rows_per_pass == 0
 
@@ -405,7 +405,7 @@ if AVAILABLE:
         M, P, R, stride_w, stride_s, SPLIT_K,
         FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
         STAGES: gl.constexpr, DECODED: gl.constexpr, GROUP_M: gl.constexpr, DECODE_REGS: gl.constexpr,
-        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, DECODE_WARPS: gl.constexpr = 4,
     ):
         """Warp-specialized: one warp group decodes the weight into DECODED bf16 buffers (mbarriers
         `d_ready` / `d_empty`), the kernel's num_warps (two warp groups) load the input by TMA into
@@ -438,7 +438,7 @@ if AVAILABLE:
                        FORWARD, BM, BP, BR, HAS_BIAS, G_PER_ROW)),
             (_ws_decode, (packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready, d_empty, n_k, k0, off_p,
                           stride_w, stride_s, FORWARD, BP, BR)),
-        ], [4], [DECODE_REGS])
+        ], [DECODE_WARPS], [DECODE_REGS])
 
 
 def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -477,7 +477,7 @@ def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_s
             _counters(a.device, tiles), m, p, r, packed.stride(0), scale.stride(0), split,
             FORWARD=forward, BM=cfg["BM"], BP=cfg["BP"], BR=cfg["BR"], STAGES=cfg["STAGES"], DECODED=cfg["DECODED"],
             GROUP_M=cfg["GROUP_M"], DECODE_REGS=cfg["DECODE_REGS"], HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1,
-            num_warps=cfg["WARPS"], maxnreg=cfg["MAXNREG"],
+            DECODE_WARPS=cfg["DECODE_WARPS"], num_warps=cfg["WARPS"], maxnreg=cfg["MAXNREG"],
         )
         return out
     _wgmma_kernel[(tiles, split)](
