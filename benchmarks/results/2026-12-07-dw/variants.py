@@ -28,7 +28,8 @@ VARIANTS = {
     "as_is": [],
     "cheap_decode": [("_DECODE_WORD_ASM.value, \"=h,=h,=h,=h,=h,=h,=h,=h,r,r\"",
                       CHEAP + ", \"=h,=h,=h,=h,=h,=h,=h,=h,r,r\"")],
-    "no_decode": [("            v = _decode_tile(w_ring.index(slot).load(w_lay), s_ring.index(slot).load(p_lay), WR, WC, w_lay)\n", ""),
+    "no_decode": [("            v = _decode_tile(w_ring.index(slot).load(w_lay), s_ring.index(slot).load(p_lay), "
+                   "WR, WC, w_lay)\n", ""),
                   ("            d_ring.index(i % ND).store(v)\n", "")],
 }
 
