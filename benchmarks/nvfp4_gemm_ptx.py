@@ -86,6 +86,24 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         src = _source(GluonASTSource, fn, ptrs, consts, div16)
         return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}),
                              out, "_".join(f"{v}" for v in ("decode", *consts.values(), warps)))
+    if cfg.pop("SWAP", False):  # the Gluon kernel with the weight as wgmma's register operand (swap_gemm.py)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from kernels.nvfp4 import swap_gemm
+        c = swap_gemm.full_config(cfg)
+        consts = {"BN": c["BN"], "STAGES": c["STAGES"], "GROUP_M": c["GROUP_M"], "HAS_BIAS": False,
+                  "G_PER_ROW": c.get("G_PER_ROW", False)}
+        from triton.experimental.gluon import language as gl
+        rows = 16 * c["WARPS"]
+        out_layout = gl.NVMMASharedLayout.get_default_for([c["BN"], rows], gl.bfloat16)
+        ptrs = {"x_desc": f"tensordesc<bf16[{c['BN']}, {swap_gemm.BK}],{swap_gemm._X_SMEM_LAYOUT!r}>",
+                "out_desc": f"tensordesc<bf16[{c['BN']}, {rows}],{out_layout!r}>",
+                "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
+                "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+        div16 = [n for n in ptrs if not n.endswith("_desc")] + ["N", "K", "stride_w", "stride_s"]
+        src = _source(GluonASTSource, swap_gemm._swap_kernel, ptrs, consts, div16)
+        return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": c["WARPS"]}),
+                             out, "_".join(f"{v}" for v in ("swap", *consts.values(), c["WARPS"])))
     if cfg.pop("WGMMA", False):  # the Gluon decode-to-shared-memory + wgmma kernel (wgmma_gemm.py)
         from triton.experimental.gluon._runtime import GluonASTSource
 

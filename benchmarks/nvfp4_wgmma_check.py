@@ -3,6 +3,10 @@
     python benchmarks/nvfp4_wgmma_check.py --out wgmma.json
     python benchmarks/nvfp4_wgmma_check.py --m 256 4096 --configs '[{}, {"BP": 128, "STAGES": 6}]'
 
+Configs with "SWAP": true run kernels/nvfp4/swap_gemm.py (the weight as wgmma's register operand,
+forward only: its dX cases are skipped, --layer-step takes dX from the warp-specialized kernel),
+and add decode-sized cases (M = 1, 16, 33) to the check.
+
 1. Correctness with every config of --configs against float32 math on the exact float32
    dequantized weight (E2M1 · s / g): the Qwen2.5-7B learner shapes (forward and dX) and vLLM's
    fused q/k/v and gate/up (forward, one global scale per weight row, a bias), at M that are and
@@ -65,6 +69,30 @@ def make_weight(torch, n: int, k: int, dev, per_row: bool = False, special: bool
     return packed, scale, g
 
 
+class Kernels:
+    """wgmma_gemm's entry points, or swap_gemm's forward for configs with "SWAP": true (dX: the
+    warp-specialized wgmma kernel)."""
+
+    def __init__(self):
+        from kernels.nvfp4 import swap_gemm, wgmma_gemm
+        self.wg, self.swap = wgmma_gemm, swap_gemm
+
+    def supports(self, m, p, r, cfg, forward=True):
+        if cfg.get("SWAP"):
+            return self.swap.supports(m, p, r, cfg) if forward else self.wg.supports(m, p, r, {"WARP_SPECIALIZE": True},
+                                                                                      False)
+        return self.wg.supports(m, p, r, cfg, forward)
+
+    def linear_wgmma(self, x, packed, scale, g, bias=None, cfg=None):
+        if (cfg or {}).get("SWAP"):
+            return self.swap.linear_swap(x, packed, scale, g, bias, cfg)
+        return self.wg.linear_wgmma(x, packed, scale, g, bias, cfg)
+
+    def grad_input_wgmma(self, dy, packed, scale, g, cfg=None):
+        return self.wg.grad_input_wgmma(dy, packed, scale, g, {"WARP_SPECIALIZE": True} if (cfg or {}).get("SWAP")
+                                        else cfg)
+
+
 def check(torch, wg, dev, configs: list[dict]) -> list[dict]:
     """Every case against float32 math on the exact float32 Ŵ; output rounded to bf16 once."""
     from kernels.nvfp4 import reference
@@ -73,11 +101,15 @@ def check(torch, wg, dev, configs: list[dict]) -> list[dict]:
     cases = [(n, nn, k, m, "fwd") for n, nn, k in LEARNER for m in (64, 200, 4096)]
     cases += [(n, nn, k, m, "dX") for n, nn, k in LEARNER for m in (64, 200, 4096)]
     cases += [(n, nn, k, m, "fwd-fused") for n, nn, k in SERVING for m in (256, 300)]
+    if any(c.get("SWAP") for c in configs):  # decode-sized inputs
+        cases += [(n, nn, k, m, "fwd-fused") for n, nn, k in SERVING for m in (1, 16, 33)]
     for name, n, k, m, op in cases:
         q = make_weight(torch, n, k, dev, per_row=op == "fwd-fused", special=op != "fwd-fused")
         # the exact float32 Ŵ: E2M1 · s (reference dequantize with g = 1), divided by g per row
         w32 = reference.dequantize(q[0], q[1], torch.ones(1, device=dev), torch.float32) / q[2].reshape(-1, 1)
         for cfg in configs:
+            if op == "dX" and cfg.get("SWAP"):
+                continue  # the swap kernel is a forward
             torch.full((m * max(n, k) * 2,), float("nan"), dtype=torch.bfloat16, device=dev)  # poison
             if op == "dX":
                 dy = torch.randn(m, n, device=dev).bfloat16()
@@ -100,8 +132,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from kernels.nvfp4 import wgmma_gemm as wg
-
+    wg = Kernels()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("needs a Hopper GPU (sm_90)", file=sys.stderr)
         return 2

@@ -205,17 +205,7 @@ def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
 
 def _wgmma_ptx_reports(cfg: dict) -> list[dict]:
     """benchmarks/nvfp4_gemm_ptx.py's reports on `cfg`, forward then dX (compiled for sm_90a, no GPU)."""
-    import os
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    reports = []
-    for extra in ([], ["--dx"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *extra,
-                               "--config", json.dumps(cfg)],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        reports += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    reports = subprocess_ptx(cfg) + subprocess_ptx(cfg, dx=True)
     assert len(reports) == 2
     return reports
 
@@ -254,6 +244,33 @@ def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper(extra, 
         assert r["mbarrier_arrives"] >= 2 and r["tma_loads"] >= 2, r  # hand-overs; the input's first + next steps
         # a 128 × 64 weight tile per step: 8 (4) words per decoding thread, one 16-byte store each
         assert mem.get("st.shared.v4.b32", 0) >= stores and mem.get("cp.async.cg.shared.global", 0) >= 2, r
+
+
+def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper():
+    """Compiled for sm_90a without a GPU (checked and timed on one by nvfp4_wgmma_check.py with
+    "SWAP": true): the weight as wgmma's register operand. The compiler proves that the decoded
+    bytes already sit in the A fragment (convert_layout(assert_trivial=True), else compiling fails),
+    the wgmma stay asynchronous, the weight never goes through shared memory (only the TMA'd input
+    and the output tile do), and nothing spills, from decode-sized tiles to 128 × 256."""
+    for cfg in ({"BN": 16, "WARPS": 4}, {"BN": 256, "WARPS": 8, "G_PER_ROW": True}):
+        r = subprocess_ptx({"SWAP": True, **cfg})[0]
+        mem = r["memory_instructions"]
+        assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 8, r  # 4 k16, step 0 peeled
+        assert r["tma_loads"] >= 2 and mem.get("ld.global.b8", 0) >= 16, r  # input by TMA; 16 weight bytes per step
+        # no decoded tile in shared memory: one or two stores in the epilogue (output tile, split-K flag)
+        assert sum(v for op, v in mem.items() if op.startswith("st.shared")) <= 2, r
+
+
+def subprocess_ptx(cfg: dict, dx: bool = False) -> list[dict]:
+    """benchmarks/nvfp4_gemm_ptx.py's report(s) on `cfg` (compiled for sm_90a, no GPU)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *(["--dx"] if dx else []),
+                           "--config", json.dumps(cfg)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):

@@ -1,0 +1,308 @@
+"""The NVFP4 W4A16 forward with the weight as wgmma's register operand (Hopper, Gluon): no decoded tile in shared memory.
+
+    y [M, N] = x [M, K] @ Ŵᵀ   computed as   yᵀ [N, M] = Ŵ [N, K] · xᵀ
+
+Ŵ the NVFP4 weight (packed E2M1 bytes [N, K/2], e4m3 block scales [N, K/16], fp32 global
+scale, one or one per row). GPU only (sm_90: wgmma; Gluon does not run in Triton's
+interpreter): a test compiles it offline, `benchmarks/nvfp4_wgmma_check.py` checks and times it.
+
+Why. wgmma reads its B operand from shared memory but may take A from registers. The kernels of
+`wgmma_gemm.py` multiply x (A) by the decoded weight (B), so the weight must be decoded into a
+bf16 tile in shared memory, handed over (a CTA barrier, or mbarriers between a decoding warp
+group and the multiplying ones) and read back by every warp group: at M = 4096 that reaches
+72-79 % of cuBLAS (NOTES.md, 2026-12-07). Swapping the operands (as CUTLASS's mixed-input GEMMs
+and vLLM's Machete do) lets each warp group decode its own 64 weight rows straight into its A
+fragment, in registers, while its previous wgmma runs; only the input tile (B) goes through
+shared memory, by TMA. A CTA is WARPS / 4 warp groups, 16·WARPS weight rows × BN input rows;
+each weight is decoded once per BN input rows, and every warp group reads the same input tile.
+
+The A fragment (per warp 16 rows, as mma.sync's m16n8k16): lane 4g + t holds rows g and g + 8
+and, in each k16, the k-pairs (2t, 2t + 1) and (2t + 8, 2t + 9), i.e. byte t + 4j (j = 0..7) of
+a row's 32 packed bytes per 64-deep step: one byte per 32-bit word, a byte's two codes one bf16x2
+register. So each thread loads its 16 bytes per step one by one (`LDG.U8`, from L1: a quad's four
+lanes read neighbouring bytes), and decodes each with `_DECODE_BYTE_ASM` (5 instructions per 2
+weights); `convert_layout(..., assert_trivial=True)` makes the compiler prove that the decoded
+tensor already is the fragment. The four block scales of a row and step come as one 32-bit word,
+decoded by `_SCALE_WORD_ASM` (the arithmetic of `gemm._SCALE_PAIR_ASM`, twice).
+
+Pipeline: the input tile [BN, 64] by TMA into a ring of STAGES slots (mbarrier per slot, rows ≥
+M read as zeros); the packed bytes and scale words one step ahead in registers; per step: decode
+step i, issue its wgmma asynchronously, wait for step i - 1's, one CTA barrier, refill that slot.
+Epilogue: · 2^8 / g per weight row (+ bias), stored transposed; optional split-K as in
+`wgmma_gemm.py` (fp32 partials, the last program to arrive sums them in split order).
+
+Status: written and compiled offline (2026-12-07); not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with triton >= 3.5; its API is experimental and changes between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    AVAILABLE = True
+except ImportError:  # pragma: no cover
+    AVAILABLE = False
+
+from .gemm import _SCALE_BIAS, _SCALE_PAIR_EXP, _counters
+
+__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "full_config", "linear_swap", "supports"]
+
+# WARPS: 4 or 8 (one or two warp groups, 64 weight rows each); BN input rows per CTA (8..256, the
+# wgmma's N; the accumulator takes BN / 2 registers per thread); STAGES input tiles in flight;
+# SPLIT_K programs per tile along the reduction; GROUP_M input-row tiles side by side (L2 reuse).
+DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8}
+BK = 64  # reduction per step: 32 packed bytes and 4 block scales per weight row
+
+
+def full_config(cfg: dict | None) -> dict:
+    return {**DEFAULT_CONFIG, **(cfg or {})}
+
+
+def supports(m: int, n: int, k: int, cfg: dict | None = None) -> bool:
+    """Whether a config fits y [m, n] = x [m, k] @ Ŵᵀ: whole CTAs of weight rows, whole steps along K."""
+    cfg = full_config(cfg)
+    return m >= 1 and n % (16 * cfg["WARPS"]) == 0 and k % BK == 0
+
+
+def _byte_ptx() -> str:
+    """One packed byte ($2, zero-extended) → its two weights E2M1 · s · 2^-8 in bf16 (exact), the low
+    nibble's in $0, the high one's in $1 (one bf16x2 register); $3 s · 2^118 twice as bf16x2.
+    b · (2^12 + 1) puts the high nibble on bits 16-19 next to the low one on bits 0-3 (no overlap:
+    b < 2^8); then as `gemm._DECODE_WORD_ASM`'s low codes: × (2^12 + 2^6) moves each sign to bit 15
+    of its half and the magnitude to bits 6-8, an and keeps those bits, one fma the scale."""
+    return "\n".join(["", "{", ".reg .b32 p, k;", "mov.b32 k, 0x80008000;", "mul.lo.u32 p, $2, 4097;",
+                      "and.b32 p, p, 0x000F000F;", "mul.lo.u32 p, p, 4160;", "and.b32 p, p, 0x81C081C0;",
+                      "fma.rn.bf16x2 p, p, $3, k;", "mov.b32 {$0, $1}, p;", "}", ""])
+
+
+def _scale_word_ptx() -> str:
+    """Four e4m3 block scales (the bytes of the 32-bit $4, first block lowest) → each as s · 2^118
+    twice in a bf16x2 register, $0..$3: `gemm._SCALE_PAIR_ASM` on each half of the word."""
+    lines = ["", "{", ".reg .b16 lo, hi;", ".reg .b32 f, t, n, one;", "mov.b32 one, 0x00010001;",
+             "mov.b32 {lo, hi}, $4;"]
+    for half, (o0, o1) in (("lo", (0, 1)), ("hi", (2, 3))):
+        lines += [f"cvt.rn.f16x2.e4m3x2 f, {half};", "shr.b32 t, f, 3;", "and.b32 t, t, 0x0FFF0FFF;",
+                  "min.u16x2 n, t, one;", f"mad.lo.u32 t, n, {_SCALE_PAIR_EXP}, t;",
+                  "lop3.b32 t, t, f, 0x80008000, 0xF8;",  # t | (f & sign bits)
+                  f"prmt.b32 ${o0}, t, t, 0x1010;", f"prmt.b32 ${o1}, t, t, 0x3232;"]
+    return "\n".join(lines + ["}", ""])
+
+
+if AVAILABLE:
+    from .decode_gemm import _cta_barrier  # a shim over triton 3.6 / 3.9 names
+    from .wgmma_gemm import _tile, _tma_load
+
+    _DECODE_BYTE_ASM = gl.constexpr(_byte_ptx())
+    _SCALE_WORD_ASM = gl.constexpr(_scale_word_ptx())
+    _SCALE_BIAS_C = gl.constexpr(_SCALE_BIAS)
+    _X_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    @gluon.constexpr_function
+    def _bytes_layout(warps):
+        """[16·warps rows, 4 blocks, 8 bytes] of one step's packed weight: lane 4g + t holds rows g and
+        g + 8 of its warp's 16 and byte t + 4j of the row (j = 0..7: bit 0 of j is the byte's bit 2 in
+        its block, bits 1-2 the block), the bytes of the wgmma A fragment (module docstring)."""
+        reg = [[8, 0, 0], [0, 0, 4], [0, 1, 0], [0, 2, 0]]
+        lane = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        warp = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps, 4, 8])
+
+    @gluon.constexpr_function
+    def _rows_layout(warps):
+        """[16·warps] weight rows as lane 4g + t holds rows g, g + 8 of its warp's 16 (t: copies)."""
+        lane = [[0], [0], [1], [2], [4]]
+        warp = [[16 << b] for b in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout([[8]], lane, warp, [], [16 * warps])
+
+    @gluon.jit
+    def _decode_step(b, sw, ROWS: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
+        """Packed bytes b [ROWS, 4, 8] (int32, zero-extended) and scale words sw [ROWS] → the step's
+        weights [ROWS, 64] bf16 (· 2^-8) in the wgmma A fragment's layout."""
+        s0, s1, s2, s3 = gl.inline_asm_elementwise(_SCALE_WORD_ASM, "=r,=r,=r,=r,r", [sw],
+                                                   dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+        # [ROWS] → [ROWS, 4 blocks] (join adds the minor dimension: (s0, s2), (s1, s3) → s0 s1 s2 s3), in
+        # the bytes' layout without their byte dimension (the same threads: registers only), then
+        # broadcast over a block's 8 bytes
+        s = gl.reshape(gl.join(gl.join(s0, s2), gl.join(s1, s3)), [ROWS, 4])
+        s = gl.convert_layout(s, gl.SliceLayout(2, b_lay), assert_trivial=True)
+        s, b = gl.broadcast(gl.expand_dims(s, 2), b)
+        lo, hi = gl.inline_asm_elementwise(_DECODE_BYTE_ASM, "=h,=h,r,r", [b, s],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        w = gl.reshape(gl.join(lo, hi), [ROWS, 64])  # code 2·byte + nibble: Ŵ's column order
+        return gl.convert_layout(w, a_op, assert_trivial=True)
+
+    if hasattr(tma, "async_store"):  # triton 3.9
+        @gluon.jit
+        def _tma_store(desc, coord, smem):
+            tma.async_store(desc, coord, smem)
+    else:  # triton 3.6
+        @gluon.jit
+        def _tma_store(desc, coord, smem):
+            tma.async_copy_shared_to_global(desc, coord, smem)
+
+    @gluon.jit
+    def _epilogue_t(acc, g_ptr, bias_ptr, out_desc, o_smem, off_m, off_n, ROWS: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, mma: gl.constexpr):
+        """y = acc · 2^8 / g (+ bias) per weight row, rounded to bf16 once (one division per row), then
+        transposed through shared memory and stored by TMA (input rows ≥ M are not written)."""
+        rn = off_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+        if G_PER_ROW:
+            y = acc * gl.div_rn(gl.full([ROWS], _SCALE_BIAS_C, gl.float32, gl.SliceLayout(1, mma)),
+                                gl.load(g_ptr + rn))[:, None]
+        else:
+            y = acc * gl.div_rn(_SCALE_BIAS_C, gl.load(g_ptr))
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + rn).to(gl.float32)[:, None]
+        o_smem.store(gl.permute(y.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()  # every thread's part is visible to the TMA engine ...
+        _cta_barrier()  # ... before one thread issues the store
+        _tma_store(out_desc, [off_m, off_n], o_smem)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, split,
+                      ROWS: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+                      mma: gl.constexpr):
+        """The tile's output: the epilogue, or with split-K this split's fp32 partial (a workspace of
+        whole tiles in the accumulator's order), and the last split to arrive sums them in split order
+        (deterministic) and runs the epilogue."""
+        if SPLIT_K == 1:
+            _epilogue_t(acc, g_ptr, bias_ptr, out_desc, o_smem, off_m, off_n, ROWS, HAS_BIAS, G_PER_ROW, mma)
+        else:
+            tiles = gl.num_programs(0)
+            rn = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+            rm = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+            offs = rn[:, None] * BN + rm[None, :]
+            gl.store(ws_ptr + (split * tiles + tile).to(gl.int64) * (ROWS * BN) + offs, acc)
+            _cta_barrier()  # every thread's partial is written before the release below
+            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = gl.zeros([ROWS, BN], gl.float32, layout=mma)
+                for sp in range(SPLIT_K):
+                    total += gl.load(ws_ptr + (sp * tiles + tile).to(gl.int64) * (ROWS * BN) + offs,
+                                     cache_modifier=".cg")
+                _epilogue_t(total, g_ptr, bias_ptr, out_desc, o_smem, off_m, off_n, ROWS, HAS_BIAS, G_PER_ROW, mma)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+    @gluon.jit
+    def _swap_kernel(
+        x_desc, out_desc, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_w, stride_s, SPLIT_K,
+        BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+    ):
+        W: gl.constexpr = gl.num_warps()
+        ROWS: gl.constexpr = 16 * W
+        BK_: gl.constexpr = 64
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_lay: gl.constexpr = _bytes_layout(W)
+        r_lay: gl.constexpr = _rows_layout(W)
+
+        tile = gl.program_id(0)
+        split = gl.program_id(1)
+        off_m, off_n, k0, n_k = _tile(tile, split, M, N, K, SPLIT_K, BN, ROWS, BK_, GROUP_M)
+
+        # the step's packed bytes [ROWS, 4, 8] and scale words [ROWS] of step 0 (of this split)
+        br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_lay)))
+        bb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_lay)))
+        bi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_lay)))
+        b_ptrs = (packed_ptr + ((off_n + br).to(gl.int64) * stride_w + k0 * (BK_ // 2))[:, None, None]
+                  + (bb * 8)[None, :, None] + bi[None, None, :])
+        sr = gl.arange(0, ROWS, layout=r_lay)
+        s_ptrs = scale_ptr.to(gl.pointer_type(gl.int32)) + (off_n + sr).to(gl.int64) * (stride_s // 4) + k0
+
+        x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK_], x_desc.layout)
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, ROWS], out_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(ready.index(j), count=1)
+        fence_async_shared()  # the initialized barriers are visible to TMA
+        for j in gl.static_range(STAGES):  # steps 0 .. STAGES - 1
+            if j < n_k:
+                mbarrier.expect(ready.index(j), BN * BK_ * 2)
+                _tma_load(x_desc, [off_m, (k0 + j) * BK_], ready.index(j), x_ring.index(j))
+
+        b = gl.load(b_ptrs).to(gl.int32)
+        sw = gl.load(s_ptrs)
+        # step 0 outside the loop: were the accumulator's zeros on a path that skips the loop to the
+        # final wait, ptxas would serialize every wgmma (C7515; see wgmma_gemm._wgmma_kernel)
+        nxt = gl.minimum(1, n_k - 1)  # the last step reloads itself (unused)
+        b_next = gl.load(b_ptrs + nxt * (BK_ // 2)).to(gl.int32)
+        sw_next = gl.load(s_ptrs + nxt)
+        a = _decode_step(b, sw, ROWS, b_lay, a_op)
+        mbarrier.wait(ready.index(0), 0)
+        acc = gl.zeros([ROWS, BN], gl.float32, layout=mma)
+        acc = warpgroup_mma(a, x_ring.index(0).permute((1, 0)), acc, is_async=True)
+        acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))  # a tensor again; nothing waits
+        b = b_next
+        sw = sw_next
+        for i in range(1, n_k):
+            nxt = gl.minimum(i + 1, n_k - 1)
+            b_next = gl.load(b_ptrs + nxt * (BK_ // 2)).to(gl.int32)
+            sw_next = gl.load(s_ptrs + nxt)
+            a = _decode_step(b, sw, ROWS, b_lay, a_op)
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+            acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))  # step i - 1's is done (this warp group)
+            _cta_barrier()  # ... and every warp group's: its input slot is free
+            fill = i - 1 + STAGES
+            if fill < n_k:
+                mbarrier.expect(ready.index(fill % STAGES), BN * BK_ * 2)
+                _tma_load(x_desc, [off_m, (k0 + fill) * BK_], ready.index(fill % STAGES), x_ring.index(fill % STAGES))
+            b = b_next
+            sw = sw_next
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, split,
+                      ROWS, BN, HAS_BIAS, G_PER_ROW, mma)
+
+
+def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
+    """y [M, N] bf16 = x [M, K] bf16 @ Ŵᵀ (+ bias), Ŵ [N, K]; one global scale or one per row of Ŵ."""
+    cfg = full_config(cfg)
+    m, k = x.shape
+    n = packed.shape[0]
+    if not x.is_cuda:
+        raise ValueError("the swap kernel (Gluon) runs on CUDA GPUs only; Triton's interpreter does not run Gluon")
+    if not AVAILABLE or torch.cuda.get_device_capability(x.device)[0] != 9:
+        raise ValueError("the swap kernel needs Gluon and a Hopper GPU (sm_90)")
+    if cfg["WARPS"] not in (4, 8) or cfg["BN"] % 8 or not 8 <= cfg["BN"] <= 256 or cfg["STAGES"] < 2:
+        raise ValueError(f"the swap kernel needs WARPS 4 or 8, BN a multiple of 8 in [8, 256] and STAGES >= 2, "
+                         f"got {cfg}")
+    if not supports(m, n, k, cfg):
+        raise ValueError(f"the swap kernel needs N % {16 * cfg['WARPS']} == 0 and K % {BK} == 0 "
+                         f"(got M={m}, N={n}, K={k})")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("the swap kernel loads the input by TMA: its rows need 16-byte alignment")
+    if scale.stride(0) % 4 or scale.data_ptr() % 4:
+        raise ValueError("the swap kernel reads a row's 4 block scales of a step as one 32-bit word: scale rows "
+                         "need a stride and an address that are multiples of 4")
+    g = global_scale.reshape(-1)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    tiles = -(-m // cfg["BN"]) * (n // (16 * cfg["WARPS"]))
+    steps = k // BK
+    split = -(-steps // -(-steps // max(1, min(cfg["SPLIT_K"], steps))))  # no split without a step
+    rows = 16 * cfg["WARPS"]
+    ws = torch.empty(split * tiles * rows * cfg["BN"], dtype=torch.float32, device=x.device) if split > 1 else g
+    # the input tile [BN, 64] by TMA, rows ≥ M read as 0; the output tile [BN, rows] back by TMA, rows ≥ M not written
+    x_desc = TensorDescriptor.from_tensor(x, [cfg["BN"], BK], _X_SMEM_LAYOUT)
+    out_desc = TensorDescriptor.from_tensor(out, [cfg["BN"], rows],
+                                            gl.NVMMASharedLayout.get_default_for([cfg["BN"], rows], gl.bfloat16))
+    _swap_kernel[(tiles, split)](
+        x_desc, out_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, ws,
+        _counters(x.device, tiles), m, n, k, packed.stride(0), scale.stride(0), split,
+        BN=cfg["BN"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
+        G_PER_ROW=g.numel() > 1, num_warps=cfg["WARPS"],
+    )
+    return out
