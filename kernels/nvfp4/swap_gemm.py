@@ -1,4 +1,4 @@
-"""The NVFP4 W4A16 forward with the weight as wgmma's register operand (Hopper, Gluon): no decoded tile in shared memory.
+"""The NVFP4 W4A16 forward with the weight as wgmma's register operand (Hopper, Gluon): no decoded tile in smem.
 
     y [M, N] = x [M, K] @ Ŵᵀ   computed as   yᵀ [N, M] = Ŵ [N, K] · xᵀ
 

@@ -1,5 +1,6 @@
 """One warm-up and one profiled call of a wgmma-family kernel (forward, 7B gate/up, M = 4096) for ncu:
-`ncu --kernel-name regex:'_ws_kernel|_swap_kernel' --launch-skip 1 --launch-count 1 ... python3 ncu_target.py CONFIG_JSON`."""
+`ncu --kernel-name regex:'_ws_kernel|_swap_kernel' --launch-skip 1 --launch-count 1 ... \
+    python3 ncu_target.py CONFIG_JSON`."""
 import json
 import sys
 from pathlib import Path
