@@ -78,6 +78,8 @@ DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8, "SP
 # thread, the kernel MAXNREG (the wgmma warps get what is left: 184). 256 × 128 halves the decode
 # per multiply-add against 128 × 256 (each weight is decoded once per BM input rows): 72-79 % of
 # cuBLAS at M = 4096 on an H100 where 128 × 256 gave 53-61 % (NOTES.md, 2026-12-07). ~194 KB.
+# DECODE_WARPS 8 (two decode warp groups, each thread half the words; with DECODE_REGS 88 and
+# MAXNREG 128, 16 warps in all) compiles without spills but has not run on a GPU yet.
 WS_CONFIG = {**DEFAULT_CONFIG, "WARP_SPECIALIZE": True, "BM": 256, "BP": 128, "STAGES": 4, "DECODED": 3,
              "DECODE_REGS": 128, "MAXNREG": 168, "WARPS": 8, "DECODE_WARPS": 4}
 
