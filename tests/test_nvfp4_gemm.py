@@ -349,6 +349,26 @@ def test_scale_pair_arithmetic_is_exact_for_every_e4m3_scale():
     assert "cvt.rn.f16x2.e4m3x2" in ptx and str(gemm._SCALE_PAIR_EXP) in ptx
 
 
+def test_swap_kernel_byte_decode_is_exact_for_every_byte():
+    """`swap_gemm._byte_ptx` (the swap kernel's decode, GPU only) turns one packed byte into its two
+    codes' E2M1 · 2^-126 as one bf16x2 (low nibble in the low half), before the fma by the scale ·
+    2^118; `byte_bits` is that integer arithmetic. For all 256 bytes both halves must be exact."""
+    from kernels.nvfp4 import swap_gemm
+
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    b = torch.arange(256, dtype=torch.int64)
+    bits = swap_gemm.byte_bits(b)
+
+    def as_float(half):  # bf16 bit patterns → float32
+        return (half.to(torch.int32) << 16).view(torch.float32) * 2.0 ** 126
+
+    for half, codes in ((bits & 0xFFFF, b & 0xF), (bits >> 16, b >> 4)):
+        want = e2m1[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
+        assert torch.equal(as_float(half), want)
+    ptx = swap_gemm._byte_ptx()
+    assert f"mul.lo.u32 p, $2, {swap_gemm._SPREAD};" in ptx and "fma.rn.bf16x2" in ptx
+
+
 # ---------------------------------------------------------------- interpreter half
 
 def _interpreter_check() -> dict:

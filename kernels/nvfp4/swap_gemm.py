@@ -73,15 +73,25 @@ def supports(m: int, n: int, k: int, cfg: dict | None = None) -> bool:
     return m >= 1 and n % (16 * cfg["WARPS"]) == 0 and k % BK == 0
 
 
+# `_byte_ptx`'s constants: b · SPREAD puts a byte's high nibble on bits 16-19 next to its low one
+# on bits 0-3 (no overlap: b < 2^8), NIBBLES keeps both; × PLACE moves each nibble's sign to bit 15
+# of its half and its magnitude to bits 6-8 (`gemm._DECODE_WORD_ASM`'s low codes), KEEP keeps those.
+_SPREAD, _NIBBLES, _PLACE, _KEEP = 2**12 + 1, 0x000F000F, 2**12 + 2**6, 0x81C081C0
+
+
 def _byte_ptx() -> str:
     """One packed byte ($2, zero-extended) → its two weights E2M1 · s · 2^-8 in bf16 (exact), the low
-    nibble's in $0, the high one's in $1 (one bf16x2 register); $3 s · 2^118 twice as bf16x2.
-    b · (2^12 + 1) puts the high nibble on bits 16-19 next to the low one on bits 0-3 (no overlap:
-    b < 2^8); then as `gemm._DECODE_WORD_ASM`'s low codes: × (2^12 + 2^6) moves each sign to bit 15
-    of its half and the magnitude to bits 6-8, an and keeps those bits, one fma the scale."""
-    return "\n".join(["", "{", ".reg .b32 p, k;", "mov.b32 k, 0x80008000;", "mul.lo.u32 p, $2, 4097;",
-                      "and.b32 p, p, 0x000F000F;", "mul.lo.u32 p, p, 4160;", "and.b32 p, p, 0x81C081C0;",
+    nibble's in $0, the high one's in $1 (one bf16x2 register); $3 s · 2^118 twice as bf16x2. Before
+    the fma the halves are E2M1 · 2^-126 (`byte_bits`), then one fma applies the scale."""
+    return "\n".join(["", "{", ".reg .b32 p, k;", "mov.b32 k, 0x80008000;", f"mul.lo.u32 p, $2, {_SPREAD};",
+                      f"and.b32 p, p, {_NIBBLES:#010x};", f"mul.lo.u32 p, p, {_PLACE};", f"and.b32 p, p, {_KEEP:#010x};",
                       "fma.rn.bf16x2 p, p, $3, k;", "mov.b32 {$0, $1}, p;", "}", ""])
+
+
+def byte_bits(b: torch.Tensor) -> torch.Tensor:
+    """`_byte_ptx`'s integer arithmetic in torch (for tests: the PTX runs on GPUs only): packed bytes
+    (int64) → the bf16x2 bit patterns of their (low, high) nibble's E2M1 · 2^-126."""
+    return (((b * _SPREAD) & _NIBBLES) * _PLACE) & _KEEP
 
 
 def _scale_word_ptx() -> str:
