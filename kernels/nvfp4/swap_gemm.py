@@ -84,8 +84,8 @@ def _byte_ptx() -> str:
     nibble's in $0, the high one's in $1 (one bf16x2 register); $3 s · 2^118 twice as bf16x2. Before
     the fma the halves are E2M1 · 2^-126 (`byte_bits`), then one fma applies the scale."""
     return "\n".join(["", "{", ".reg .b32 p, k;", "mov.b32 k, 0x80008000;", f"mul.lo.u32 p, $2, {_SPREAD};",
-                      f"and.b32 p, p, {_NIBBLES:#010x};", f"mul.lo.u32 p, p, {_PLACE};", f"and.b32 p, p, {_KEEP:#010x};",
-                      "fma.rn.bf16x2 p, p, $3, k;", "mov.b32 {$0, $1}, p;", "}", ""])
+                      f"and.b32 p, p, {_NIBBLES:#010x};", f"mul.lo.u32 p, p, {_PLACE};",
+                      f"and.b32 p, p, {_KEEP:#010x};", "fma.rn.bf16x2 p, p, $3, k;", "mov.b32 {$0, $1}, p;", "}", ""])
 
 
 def byte_bits(b: torch.Tensor) -> torch.Tensor:
