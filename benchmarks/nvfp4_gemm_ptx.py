@@ -5,6 +5,7 @@
     python benchmarks/nvfp4_gemm_ptx.py --config '{"GEMV":true,"BLOCK_N":64,"BLOCK_K":128,"num_warps":8}'
     python benchmarks/nvfp4_gemm_ptx.py --config '{"DECODE":true,"RW":1,"KV":1,"MT":8,"num_warps":4}'  # Gluon
     python benchmarks/nvfp4_gemm_ptx.py --config '{"WGMMA":true,"WARP_SPECIALIZE":true}'  # Gluon, wgmma_gemm.py
+    python benchmarks/nvfp4_gemm_ptx.py --config '{"SWAP":true,"BN":16,"WARPS":4}'  # Gluon, swap_gemm.py (forward)
 
 Per config it prints registers, spill bytes, shared memory, the wgmma count and the mix of
 memory instructions in the PTX (byte vs vector shared-memory loads, cp.async, shuffles,
@@ -89,11 +90,12 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
     if cfg.pop("SWAP", False):  # the Gluon kernel with the weight as wgmma's register operand (swap_gemm.py)
         from triton.experimental.gluon._runtime import GluonASTSource
 
+        from triton.experimental.gluon import language as gl
+
         from kernels.nvfp4 import swap_gemm
         c = swap_gemm.full_config(cfg)
         consts = {"BN": c["BN"], "STAGES": c["STAGES"], "GROUP_M": c["GROUP_M"], "HAS_BIAS": False,
                   "G_PER_ROW": c.get("G_PER_ROW", False)}
-        from triton.experimental.gluon import language as gl
         rows = 16 * c["WARPS"]
         out_layout = gl.NVMMASharedLayout.get_default_for([c["BN"], rows], gl.bfloat16)
         ptrs = {"x_desc": f"tensordesc<bf16[{c['BN']}, {swap_gemm.BK}],{swap_gemm._X_SMEM_LAYOUT!r}>",
@@ -200,7 +202,8 @@ def main() -> int:
                     help="kernel config as JSON (BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages, "
                          "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K; or DECODE: true "
                          "with RW, KV, MT (8 or 16 input rows), num_warps; or WGMMA: true with wgmma_gemm's config "
-                         "keys, WARP_SPECIALIZE: true for its warp-specialized kernel); "
+                         "keys, WARP_SPECIALIZE: true for its warp-specialized kernel; or SWAP: true with "
+                         "swap_gemm's WARPS, BN, STAGES, GROUP_M); "
                          "repeat for several")
     ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
     ap.add_argument("--out", type=Path, help="also write each config's TTGIR, PTX and cubin here")

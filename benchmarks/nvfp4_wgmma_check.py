@@ -79,8 +79,7 @@ class Kernels:
 
     def supports(self, m, p, r, cfg, forward=True):
         if cfg.get("SWAP"):
-            return self.swap.supports(m, p, r, cfg) if forward else self.wg.supports(m, p, r, {"WARP_SPECIALIZE": True},
-                                                                                      False)
+            return forward and self.swap.supports(m, p, r, cfg)  # no dX of its own: not timed as one
         return self.wg.supports(m, p, r, cfg, forward)
 
     def linear_wgmma(self, x, packed, scale, g, bias=None, cfg=None):
