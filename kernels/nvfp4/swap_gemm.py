@@ -28,10 +28,12 @@ decoded by `_SCALE_WORD_ASM` (the arithmetic of `gemm._SCALE_PAIR_ASM`, twice).
 Pipeline: the input tile [BN, 64] by TMA into a ring of STAGES slots (mbarrier per slot, rows ≥
 M read as zeros); the packed bytes and scale words one step ahead in registers; per step: decode
 step i, issue its wgmma asynchronously, wait for step i - 1's, one CTA barrier, refill that slot.
-Epilogue: · 2^8 / g per weight row (+ bias), stored transposed; optional split-K as in
-`wgmma_gemm.py` (fp32 partials, the last program to arrive sums them in split order).
+Epilogue: · 2^8 / g per weight row (+ bias), rounded to bf16, transposed through shared memory
+(stmatrix) and stored by TMA; optional split-K as in `wgmma_gemm.py` (fp32 partials in a workspace
+of whole tiles, the last program to arrive sums them in split order).
 
-Status: written and compiled offline (2026-12-07); not yet run on a GPU.
+Status: written and compiled offline (2026-12-07; a test compiles it, `byte_bits` pins the byte
+decode's arithmetic); not yet run on a GPU, and nothing routes to it (NOTES.md, 2026-12-07).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ except ImportError:  # pragma: no cover
 
 from .gemm import _SCALE_BIAS, _SCALE_PAIR_EXP, _counters
 
-__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "full_config", "linear_swap", "supports"]
+__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_swap", "supports"]
 
 # WARPS: 4 or 8 (one or two warp groups, 64 weight rows each); BN input rows per CTA (8..256, the
 # wgmma's N; the accumulator takes BN / 2 registers per thread); STAGES input tiles in flight;
