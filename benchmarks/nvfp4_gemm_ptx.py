@@ -39,9 +39,8 @@ PTRS = {"a_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp
 MEM = r"(?:ld|st)\.shared[.a-z0-9]*|ld\.global[.a-z0-9]*|cp\.async\.c[ag][.a-z0-9]*|bar\.sync|shfl[.a-z0-9]*"
 
 
-def sass_main_loop(cubin: bytes, tools: Path) -> dict:
-    """Instructions in the SASS of the kernel's main loop (the longest loop that loads from
-    global memory), and their mix by opcode: a static stand-in for issue cost."""
+def sass_of(cubin: bytes, tools: Path) -> list[tuple[int, str]]:
+    """(address, instruction) of the cubin's SASS (`cuobjdump -sass`)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -49,7 +48,41 @@ def sass_main_loop(cubin: bytes, tools: Path) -> dict:
                               check=True).stdout
     finally:
         os.unlink(f.name)
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]+);", sass)]
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]+);", sass)]
+
+
+def wgmma_a_overwrites(ins: list[tuple[int, str]]) -> int:
+    """Instructions that write a register an in-flight wgmma reads its A operand from: after each
+    HGMMA with A in registers (4 of them from its second operand), walking on in program order (and
+    back along loop branches) to the `WARPGROUP.DEPBAR.LE gsb0, 0x0` that retires it. PTX forbids
+    such writes; ptxas does not always catch them (this is how swap_gemm's first draft was wrong)."""
+    at = {pc: i for i, (pc, _) in enumerate(ins)}
+    bad = set()
+    for i, (_, txt) in enumerate(ins):
+        m = re.match(r"(?:@!?U?P\w+\s+)?HGMMA\S*\s+R\d+,\s*R(\d+),", txt)
+        if not m:
+            continue
+        a_regs, j, seen = set(range(int(m.group(1)), int(m.group(1)) + 4)), i + 1, set()
+        while j < len(ins) and j not in seen:
+            seen.add(j)
+            pc, t = ins[j]
+            body = re.sub(r"^@!?U?P\w+\s+", "", t)
+            if body.startswith("WARPGROUP.DEPBAR") and body.rstrip().endswith("0x0"):
+                break
+            if (d := re.match(r"(\S+)\s+R(\d+)\b", body)) and not body.startswith("HGMMA"):
+                width = 4 if ".128" in d.group(1) else 2 if (".64" in d.group(1) or ".WIDE" in d.group(1)) else 1
+                if a_regs & set(range(int(d.group(2)), int(d.group(2)) + width)):
+                    bad.add(pc)
+            if (b := re.search(r"BRA\s+(?:`\(.*?\))?\s*0x([0-9a-f]+)", body)) and int(b.group(1), 16) < pc:
+                j = at.get(int(b.group(1), 16), len(ins))  # follow the loop back
+            else:
+                j += 1
+    return len(bad)
+
+
+def sass_main_loop(ins: list[tuple[int, str]]) -> dict:
+    """Instructions in the SASS of the kernel's main loop (the longest loop that loads from
+    global memory), and their mix by opcode: a static stand-in for issue cost."""
     loops = [(int(m.group(1), 16), pc) for pc, txt in ins
              if (m := re.search(r"BRA\s+(?:`\(.*?\))?\s*0x([0-9a-f]+)", txt)) and int(m.group(1), 16) < pc]
     if not loops:
@@ -179,13 +212,15 @@ def _ptxas_report(k, out: Path | None, tag: str) -> dict:
         (out / f"{tag}.ptx").write_text(ptx)
         (out / f"{tag}.cubin").write_bytes(k.asm["cubin"])  # cuobjdump -sass FILE for the SASS
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, info)) else None  # noqa: E731
-    loop = sass_main_loop(k.asm["cubin"], bin_dir)
+    sass = sass_of(k.asm["cubin"], bin_dir)
+    loop = sass_main_loop(sass)
     return {"registers": num(r"Used (\d+) registers"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
             "sass_loop_instructions": loop["instructions"], "sass_loop_ops": loop["ops"],
             "shared_bytes": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "fma_f32": ptx.count("fma.rn.f32"),
             # ptxas C7515: it made every wgmma wait for the previous one (the async pipeline is lost)
             "wgmma_serialized": "C7515" in info,
+            "wgmma_a_overwrites": wgmma_a_overwrites(sass),  # must be 0 (a race: wrong results)
             # warp specialization: register reallocation per partition, mbarrier hand-overs, TMA loads
             "setmaxnreg": {d: sorted({int(n) for n in re.findall(rf"setmaxnreg\.{d}\.sync\.aligned\.u32\s+(\d+)", ptx)})
                            for d in ("dec", "inc")},

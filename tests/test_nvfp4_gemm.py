@@ -250,12 +250,15 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
     """Compiled for sm_90a without a GPU (checked and timed on one by nvfp4_wgmma_check.py with
     "SWAP": true): the weight as wgmma's register operand. The compiler proves that the decoded
     bytes already sit in the A fragment (convert_layout(assert_trivial=True), else compiling fails),
-    the wgmma stay asynchronous, the weight never goes through shared memory (only the TMA'd input
-    and the output tile do), and nothing spills, from decode-sized tiles to 128 × 256."""
+    the wgmma stay asynchronous and no instruction writes the A registers of one in flight (the
+    SASS, walked from each HGMMA to the wait that retires it), the weight never goes through shared
+    memory (only the TMA'd input and the output tile do), and nothing spills, from decode-sized
+    tiles to 128 × 256."""
     for cfg in ({"BN": 16, "WARPS": 4}, {"BN": 256, "WARPS": 8, "G_PER_ROW": True}):
         r = subprocess_ptx({"SWAP": True, **cfg})[0]
         mem = r["memory_instructions"]
         assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 8, r  # 4 k16, step 0 peeled
+        assert r["wgmma_a_overwrites"] == 0, r  # nothing writes an in-flight wgmma's A registers
         assert r["tma_loads"] >= 2 and mem.get("ld.global.b8", 0) >= 16, r  # input by TMA; 16 weight bytes per step
         # no decoded tile in shared memory: one or two stores in the epilogue (output tile, split-K flag)
         assert sum(v for op, v in mem.items() if op.startswith("st.shared")) <= 2, r

@@ -26,8 +26,12 @@ tensor already is the fragment. The four block scales of a row and step come as 
 decoded by `_SCALE_WORD_ASM` (the arithmetic of `gemm._SCALE_PAIR_ASM`, twice).
 
 Pipeline: the input tile [BN, 64] by TMA into a ring of STAGES slots (mbarrier per slot, rows ≥
-M read as zeros); the packed bytes and scale words one step ahead in registers; per step: decode
-step i, issue its wgmma asynchronously, wait for step i - 1's, one CTA barrier, refill that slot.
+M read as zeros); the packed bytes and scale words two steps ahead in registers; per step: issue
+step i's wgmma asynchronously, load step i + 2 and decode step i + 1 while it runs, wait for it,
+one CTA barrier, refill its slot. One wgmma in flight, not two: a wgmma's A registers may not be
+written until it is retired, and with the next A decoded in a loop the compiler may reuse them (the
+first draft kept two in flight and did; `benchmarks/nvfp4_gemm_ptx.py` now counts such writes,
+`wgmma_a_overwrites`, and a test requires none).
 Epilogue: · 2^8 / g per weight row (+ bias), rounded to bf16, transposed through shared memory
 (stmatrix) and stored by TMA; optional split-K as in `wgmma_gemm.py` (fp32 partials in a workspace
 of whole tiles, the last program to arrive sums them in split order).
@@ -206,6 +210,29 @@ if AVAILABLE:
                 gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
     @gluon.jit
+    def _swap_step(i, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m, ROWS: gl.constexpr,
+                   BN: gl.constexpr, STAGES: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
+        """Step i: multiply its decoded weight `a` by its input tile (async); meanwhile load step i + 2's
+        bytes and scales and decode step i + 1's (`b`, `sw`). Then wait for this wgmma: its A registers
+        may not be written before it is done (a second wgmma in flight would need the next A in other
+        registers than this one, which the loop cannot promise), and its input slot takes step i + STAGES."""
+        BK_: gl.constexpr = 64
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+        nxt = gl.minimum(i + 2, n_k - 1)
+        b_next = gl.load(b_ptrs + nxt * (BK_ // 2)).to(gl.int32)
+        sw_next = gl.load(s_ptrs + nxt)
+        a_next = _decode_step(b, sw, ROWS, b_lay, a_op)
+        acc, a, a_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_next))
+        _cta_barrier()  # every warp group's wgmma of step i is done: its input slot is free
+        fill = i + STAGES
+        if fill < n_k:
+            mbarrier.expect(ready.index(slot), BN * BK_ * 2)
+            _tma_load(x_desc, [off_m, (k0 + fill) * BK_], ready.index(slot), x_ring.index(slot))
+        return acc, a_next, b_next, sw_next
+
+    @gluon.jit
     def _swap_kernel(
         x_desc, out_desc, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_w, stride_s, SPLIT_K,
@@ -244,37 +271,19 @@ if AVAILABLE:
                 mbarrier.expect(ready.index(j), BN * BK_ * 2)
                 _tma_load(x_desc, [off_m, (k0 + j) * BK_], ready.index(j), x_ring.index(j))
 
-        b = gl.load(b_ptrs).to(gl.int32)
-        sw = gl.load(s_ptrs)
-        # step 0 outside the loop: were the accumulator's zeros on a path that skips the loop to the
-        # final wait, ptxas would serialize every wgmma (C7515; see wgmma_gemm._wgmma_kernel)
-        nxt = gl.minimum(1, n_k - 1)  # the last step reloads itself (unused)
-        b_next = gl.load(b_ptrs + nxt * (BK_ // 2)).to(gl.int32)
-        sw_next = gl.load(s_ptrs + nxt)
-        a = _decode_step(b, sw, ROWS, b_lay, a_op)
-        mbarrier.wait(ready.index(0), 0)
+        # step 0 decoded, step 1's bytes and scales loaded (the last step reloads itself: unused)
+        a = _decode_step(gl.load(b_ptrs).to(gl.int32), gl.load(s_ptrs), ROWS, b_lay, a_op)
+        nxt = gl.minimum(1, n_k - 1)
+        b = gl.load(b_ptrs + nxt * (BK_ // 2)).to(gl.int32)
+        sw = gl.load(s_ptrs + nxt)
+        # step 0 outside the loop: were the accumulator's zeros on a path that skips the loop, ptxas
+        # would serialize the wgmma (C7515; see wgmma_gemm._wgmma_kernel)
         acc = gl.zeros([ROWS, BN], gl.float32, layout=mma)
-        acc = warpgroup_mma(a, x_ring.index(0).permute((1, 0)), acc, is_async=True)
-        acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))  # a tensor again; nothing waits
-        b = b_next
-        sw = sw_next
+        acc, a, b, sw = _swap_step(0, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
+                                   ROWS, BN, STAGES, b_lay, a_op)
         for i in range(1, n_k):
-            nxt = gl.minimum(i + 1, n_k - 1)
-            b_next = gl.load(b_ptrs + nxt * (BK_ // 2)).to(gl.int32)
-            sw_next = gl.load(s_ptrs + nxt)
-            a = _decode_step(b, sw, ROWS, b_lay, a_op)
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
-            acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))  # step i - 1's is done (this warp group)
-            _cta_barrier()  # ... and every warp group's: its input slot is free
-            fill = i - 1 + STAGES
-            if fill < n_k:
-                mbarrier.expect(ready.index(fill % STAGES), BN * BK_ * 2)
-                _tma_load(x_desc, [off_m, (k0 + fill) * BK_], ready.index(fill % STAGES), x_ring.index(fill % STAGES))
-            b = b_next
-            sw = sw_next
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc, a, b, sw = _swap_step(i, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
+                                       ROWS, BN, STAGES, b_lay, a_op)
         _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, split,
                       ROWS, BN, HAS_BIAS, G_PER_ROW, mma)
 
