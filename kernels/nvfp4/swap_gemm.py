@@ -304,6 +304,17 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     if not supports(m, n, k, cfg):
         raise ValueError(f"the swap kernel needs N % {16 * cfg['WARPS']} == 0 and K % {BK} == 0 "
                          f"(got M={m}, N={n}, K={k})")
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.uint8 or packed.shape != (n, k // 2) \
+            or tuple(scale.shape) != (n, k // 16) or global_scale.numel() not in (1, n) \
+            or (bias is not None and bias.numel() != n) or packed.stride(1) != 1 or scale.stride(1) != 1:
+        raise ValueError(f"the swap kernel needs x bf16 [M, K], packed uint8 [N, K/2], scale [N, K/16] (unit "
+                         f"stride along K), one global scale or N, a bias of N; got x {x.dtype} {tuple(x.shape)}, "
+                         f"packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
+                         f"{global_scale.numel()} global scale(s), bias {None if bias is None else bias.numel()}")
+    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2  # input ring + output tile, bf16
+    if smem > 227 * 1024 or cfg["GROUP_M"] < 1:
+        raise ValueError(f"the swap kernel's config needs {smem} bytes of shared memory (at most 227 KB: fewer "
+                         f"STAGES or a smaller BN) and GROUP_M >= 1, got {cfg}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("the swap kernel loads the input by TMA: its rows need 16-byte alignment")
     if scale.stride(0) % 4 or scale.data_ptr() % 4:
