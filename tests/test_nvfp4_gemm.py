@@ -105,21 +105,28 @@ def test_kernels_in_interpreter():
     print(f"{report['checks']} interpreter checks, worst rel. error {report['worst']:.2e}")
 
 
+def _ptx_reports(*cfgs, dx: bool = False, out=None) -> list[dict]:
+    """benchmarks/nvfp4_gemm_ptx.py's reports, one per config (a dict or its JSON), compiled for
+    sm_90a without a GPU; `out` also keeps each config's TTGIR, PTX and cubin there."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [a for c in cfgs for a in ("--config", c if isinstance(c, str) else json.dumps(c))]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *(["--dx"] if dx else []),
+                           *(["--out", str(out)] if out is not None else []), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def test_forward_reads_whole_vectors_of_its_tile_on_hopper():
     """Compiled for sm_90a without a GPU (benchmarks/nvfp4_gemm_ptx.py): the K-permuted
     forward feeds wgmma from 128-bit shared-memory loads, the unpermuted read takes its
     bytes one at a time (kernels/nvfp4/NOTES.md, fourth session), and the permuted loop
     decodes whole words without repacking registers."""
-    import os
-    import subprocess
-
     cfg = '{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"num_warps":4,"num_stages":4'
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), "--config",
-                           cfg + ',"SCALE_PAIRS":true}', "--config", cfg + ',"PERMUTE_K":false}'],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    permuted, plain = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    permuted, plain = _ptx_reports(cfg + ',"SCALE_PAIRS":true}', cfg + ',"PERMUTE_K":false}')
     for r in (permuted, plain):
         assert r["wgmma"] > 0 and r["spill_store_bytes"] == 0, r
     assert "ld.shared.b8" not in permuted["memory_instructions"], permuted
@@ -140,17 +147,9 @@ def test_gemv_compiles_to_a_lean_loop_on_hopper():
     no spills and no shuffles (its block sums stay inside threads; the few shuffles are the
     epilogue's), and issues under 8 SASS instructions per weight (decode ~2.25, bf16x2 scale
     0.5, unpacking weight and input to float32 2, FFMA 1; NOTES.md, sixth session)."""
-    import os
-    import subprocess
-
     cfgs = [{"GEMV": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in
             ((64, 128, 8), (128, 128, 16), (64, 128, 4))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"),
-                           *(a for c in cfgs for a in ("--config", json.dumps(c)))],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")):
+    for r in _ptx_reports(*cfgs):
         c = r["config"]
         per_thread = c["BLOCK_N"] * c["BLOCK_K"] / (32 * c["num_warps"])
         shuffles = sum(v for k, v in r["memory_instructions"].items() if k.startswith("shfl"))
@@ -166,18 +165,10 @@ def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
     so its K loop has no shared memory, no barrier and no wgmma; weight and input arrive in
     16-byte loads; no spills. With STAGES the weight comes through shared memory by cp.async, and
     with RING_S the block scales too (4-byte copies instead of 2-byte loads into registers)."""
-    import os
-    import subprocess
-
     ring = {"DECODE": True, "RW": 1, "KV": 1, "MT": 8, "num_warps": 1, "STAGES": 3}
     cfgs = [{"DECODE": True, "RW": 1, "KV": 1, "MT": mt, "num_warps": 4} for mt in (8, 16)] + [ring]
     cfgs += [dict(ring, RING_S=True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"),
-                           *(a for c in cfgs for a in ("--config", json.dumps(c)))],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    *plain, ring_report, ring_s = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    *plain, ring_report, ring_s = _ptx_reports(*cfgs)
     for r in plain:
         mt = r["config"]["MT"]
         mem = r["memory_instructions"]
@@ -205,7 +196,7 @@ def test_decode_kernel_compiles_to_a_loop_without_shared_memory_on_hopper():
 
 def _wgmma_ptx_reports(cfg: dict) -> list[dict]:
     """benchmarks/nvfp4_gemm_ptx.py's reports on `cfg`, forward then dX (compiled for sm_90a, no GPU)."""
-    reports = subprocess_ptx(cfg) + subprocess_ptx(cfg, dx=True)
+    reports = _ptx_reports(cfg) + _ptx_reports(cfg, dx=True)
     assert len(reports) == 2
     return reports
 
@@ -255,25 +246,13 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
     memory (only the TMA'd input and the output tile do), and nothing spills, from decode-sized
     tiles to 128 × 256."""
     for cfg in ({"BN": 16, "WARPS": 4}, {"BN": 256, "WARPS": 8, "G_PER_ROW": True}):
-        r = subprocess_ptx({"SWAP": True, **cfg})[0]
+        r = _ptx_reports({"SWAP": True, **cfg})[0]
         mem = r["memory_instructions"]
         assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 8, r  # 4 k16, step 0 peeled
         assert r["wgmma_a_overwrites"] == 0, r  # nothing writes an in-flight wgmma's A registers
         assert r["tma_loads"] >= 2 and mem.get("ld.global.b8", 0) >= 16, r  # input by TMA; 16 weight bytes per step
         # no decoded tile in shared memory: one or two stores in the epilogue (output tile, split-K flag)
         assert sum(v for op, v in mem.items() if op.startswith("st.shared")) <= 2, r
-
-
-def subprocess_ptx(cfg: dict, dx: bool = False) -> list[dict]:
-    """benchmarks/nvfp4_gemm_ptx.py's report(s) on `cfg` (compiled for sm_90a, no GPU)."""
-    import os
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), *(["--dx"] if dx else []),
-                           "--config", json.dumps(cfg)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):
@@ -312,17 +291,10 @@ def test_pdl_kernels_wait_before_touching_the_input_or_output(tmp_path):
     op's default) a kernel may run while the previous one in the stream still reads and writes
     memory, so the forward and the GEMV may only prefetch their own weight to L2 before
     `griddepcontrol.wait`: no global load, store, atomic or cp.async before it."""
-    import os
     import re
-    import subprocess
 
-    cfgs = ['{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"num_warps":4,"num_stages":4,"PDL":true}',
-            '{"GEMV":true,"BLOCK_N":64,"BLOCK_K":128,"num_warps":4,"PDL":true}']
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/nvfp4_gemm_ptx.py"), "--out", str(tmp_path),
-                           *(a for c in cfgs for a in ("--config", c))],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _ptx_reports('{"BLOCK_M":16,"BLOCK_N":64,"BLOCK_K":128,"SWAP_AB":true,"num_warps":4,"num_stages":4,"PDL":true}',
+                 '{"GEMV":true,"BLOCK_N":64,"BLOCK_K":128,"num_warps":4,"PDL":true}', out=tmp_path)
     ptxs = sorted(tmp_path.glob("*.ptx"))
     assert len(ptxs) == 2, ptxs
     for ptx in ptxs:
