@@ -43,22 +43,8 @@ from __future__ import annotations
 
 import torch
 
-try:  # Gluon ships with triton >= 3.5; its API is experimental and changes between releases
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    AVAILABLE = True
-except ImportError:  # pragma: no cover
-    AVAILABLE = False
-
 from .gemm import _SCALE_BIAS, _SCALE_PAIR_EXP, _counters
+from .wgmma_gemm import AVAILABLE  # whether this triton has Gluon's Hopper API
 
 __all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_swap", "supports"]
 
@@ -115,7 +101,18 @@ def _scale_word_ptx() -> str:
 
 if AVAILABLE:
     from .decode_gemm import _cta_barrier  # a shim over triton 3.6 / 3.9 names
-    from .wgmma_gemm import _tile, _tma_load
+    from .wgmma_gemm import (  # the Gluon API as wgmma_gemm imported it, and its tile order and TMA shim
+        TensorDescriptor,
+        _tile,
+        _tma_load,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
     _DECODE_BYTE_ASM = gl.constexpr(_byte_ptx())
     _SCALE_WORD_ASM = gl.constexpr(_scale_word_ptx())
