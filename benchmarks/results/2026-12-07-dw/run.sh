@@ -14,20 +14,20 @@ SW128='{"SWAP":true,"BN":128}'
 mkdir -p $OUT/x
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > $OUT/gpu.txt 2>&1
-timeout 220 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$SW, $WS, $DW8]" --m 4096 256 --layer-step \
+timeout 320 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$SW, $WS, $DW8, $SW128]" --m 4096 256 --layer-step \
   --out $OUT/check.json > $OUT/check.log 2>&1
-timeout 45 python3 benchmarks/nvfp4_wgmma_check.py --skip-check --m 16 64 --configs \
+timeout 70 python3 benchmarks/nvfp4_wgmma_check.py --skip-check --m 16 64 --configs \
   '[{"SWAP":true,"BN":16,"WARPS":4},{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":4},{"SWAP":true,"BN":16,"WARPS":8,"SPLIT_K":2},{"SWAP":true,"BN":64,"WARPS":4},{"SWAP":true,"BN":64,"WARPS":8,"SPLIT_K":2}]' \
   > $OUT/small.log 2>&1
 # the rest only while the call has time left (a call ends at 600 s)
 for name in ws swap; do
-  [ $SECONDS -lt 280 ] || break
+  [ $SECONDS -lt 400 ] || break
   cfg=$WS; [ $name = swap ] && cfg=$SW
   timeout 60 ncu --clock-control none --kernel-name regex:'_ws_kernel|_swap_kernel' --launch-skip 1 --launch-count 1 \
     --set full --import-source yes -f -o $OUT/x/$name python3 $D/ncu_target.py "$cfg" > $OUT/x/$name.ncu.log 2>&1
   ncu -i $OUT/x/$name.ncu-rep --page details > $OUT/x/$name.details.txt 2>&1
   ncu -i $OUT/x/$name.ncu-rep --page source --print-source sass --csv > $OUT/x/$name.source.csv 2>&1
 done
-[ $SECONDS -lt 320 ] && timeout 60 python3 $D/variants.py "$WS" "$DW8" > $OUT/variants.log 2>&1
+[ $SECONDS -lt 460 ] && timeout 60 python3 $D/variants.py "$WS" "$DW8" > $OUT/variants.log 2>&1
 tar -C $OUT -czf $OUT/ncu.tar.gz x && rm -rf $OUT/x
 echo "# $SECONDS s"; tail -4 $OUT/check.log $OUT/small.log $OUT/variants.log
