@@ -65,9 +65,10 @@ def main() -> None:
     ap.add_argument("--cudnn-attention", action="store_true", help="let SDPA use cuDNN attention (the stage's cudnn_attention)")
     ap.add_argument("--dequant-prefetch", choices=["on", "off", "both"], default="on",
                     help="the stage's dequant_prefetch for the NVFP4 base; both: one run each")
-    ap.add_argument("--nvfp4-gemm", nargs="+", choices=["auto", "wgmma", "dequant"], default=["auto"],
+    ap.add_argument("--nvfp4-gemm", nargs="+", choices=["auto", "wgmma", "swap", "dequant"], default=["auto"],
                     metavar="BACKEND", help="QERL_NVFP4_GEMM for the NVFP4 base, one run each: auto (the stage's "
-                    "default), wgmma (Hopper: the wgmma kernel), dequant (dequantize + cuBLAS)")
+                    "default), wgmma (Hopper: the wgmma kernel), swap (Hopper: swap_gemm's forward, dX by dequantize + "
+                    "cuBLAS), dequant (dequantize + cuBLAS)")
     ap.add_argument("--auto-gc", action="store_true",
                     help="leave Python's automatic garbage collection on during the update (the stage's manual_gc off)")
     ap.add_argument("--workdir", default="/tmp/qerl-bench")
@@ -89,7 +90,7 @@ def main() -> None:
     prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.dequant_prefetch]
     runs = [(b, p, mb, gemm) for mb in args.micro_batch_seqs for b in bases
             for gemm in (args.nvfp4_gemm if b == "nvfp4" else ["auto"])
-            for p in (prefetch if b == "nvfp4" and gemm != "wgmma" else [False])]
+            for p in (prefetch if b == "nvfp4" and gemm not in ("wgmma", "swap") else [False])]
     for base, pf, mb, gemm in runs:
         out = work / f"adapter-{base}-{int(time.time())}"
         cfg = json.dumps({"lora_rank": args.lora_rank, "lora_alpha": 2 * args.lora_rank, "gradient_checkpointing": True,

@@ -279,10 +279,11 @@ def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):
         assert not wgmma_gemm.supports(64, 576, 576, ws)
     # 16 decoding warps would give a 128 × 64 tile's words to more threads than it has (4 each)
     assert not wgmma_gemm.supports(4096, 3584, 3584, {"WARP_SPECIALIZE": True, "DECODE_WARPS": 16})
-    monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma")
-    assert backend_name(x) == "reference"
+    for choice in ("wgmma", "swap"):
+        monkeypatch.setenv("QERL_NVFP4_GEMM", choice)
+        assert backend_name(x) == "reference"
     monkeypatch.setenv("QERL_NVFP4_GEMM", "wgmma2")
-    with pytest.raises(ValueError, match="auto, wgmma, dequant, fused or reference"):
+    with pytest.raises(ValueError, match="auto, wgmma, swap, dequant, fused or reference"):
         backend_name(x)
 
 

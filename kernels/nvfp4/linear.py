@@ -27,6 +27,8 @@ The GEMMs go through `_backend(x)`, the one place that picks the implementation:
   on an H100 its warp-specialized kernel runs at 72-79 % of cuBLAS and one 7B layer's fwd + dX
   takes 28.3 ms against 22.4 ms with dequantize + cuBLAS (NOTES.md, 2026-12-07), so `auto` does
   not take it;
+* on Hopper with `QERL_NVFP4_GEMM=swap`: the forward by `kernels/nvfp4/swap_gemm.py` (the weight
+  as wgmma's register operand), dX by dequantize + cuBLAS (`_Swap`); not yet measured in a step;
 * otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
   byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
   decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
@@ -134,6 +136,27 @@ class _Wgmma:
         return dy2 @ _DequantCuBLAS.dequantize(packed, scale, gscale, dy2.dtype)
 
 
+class _Swap:
+    """Hopper: the forward by `swap_gemm` (the weight decoded into wgmma's register operand, Ŵ
+    never in HBM) wherever its tiles fit, dX by dequantize + cuBLAS (the swap kernel has no dX
+    yet). Not chosen by 'auto': never measured inside a learner step (NOTES.md, 2026-12-07)."""
+
+    name = "swap"
+
+    @staticmethod
+    def linear_w4a16(x2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None) -> Tensor:
+        from . import swap_gemm
+        if swap_gemm.supports(x2.shape[0], packed.shape[0], x2.shape[1]) and x2.stride(1) == 1 \
+                and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0:
+            return swap_gemm.linear_swap(x2, packed, scale, gscale, bias)
+        w = _DequantCuBLAS.dequantize(packed, scale, gscale, x2.dtype)
+        return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+
+    @staticmethod
+    def grad_input_w4a16(dy2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+        return dy2 @ _DequantCuBLAS.dequantize(packed, scale, gscale, dy2.dtype)
+
+
 # Whether 'auto' takes `_Wgmma` on Hopper GPUs (else dequant+cuBLAS everywhere on CUDA). Off: on an
 # H100 a 7B layer's fwd + dX GEMMs at 16,384 rows take 28.3 ms with it, 22.4 ms with dequant+cuBLAS
 # (NOTES.md, 2026-12-07).
@@ -143,7 +166,7 @@ AUTO_WGMMA = False
 def _backend(x: Tensor):
     """THE choice of GEMM implementation. QERL_NVFP4_GEMM: 'auto' (default: on Hopper GPUs
     `_Wgmma` when AUTO_WGMMA, else dequant+cublas for bf16 CUDA activations; the reference
-    otherwise), 'wgmma' (`_Wgmma` on a Hopper GPU), 'dequant' (dequant+cublas on CUDA), 'fused'
+    otherwise), 'wgmma' (`_Wgmma` on a Hopper GPU), 'swap' (`_Swap` on a Hopper GPU), 'dequant' (dequant+cublas on CUDA), 'fused'
     (the fused Triton kernels of kernels/nvfp4/gemm.py, for bf16 activations on CUDA, or on the
     CPU under TRITON_INTERPRET=1, which tests use), 'reference' (byte-table dequantize + matmul;
     debugging, A/B)."""
@@ -152,8 +175,8 @@ def _backend(x: Tensor):
 
 def _backend_for(device: torch.device, dtype: torch.dtype):
     choice = os.environ.get("QERL_NVFP4_GEMM", "auto")
-    if choice not in ("auto", "wgmma", "dequant", "fused", "reference"):
-        raise ValueError(f"QERL_NVFP4_GEMM must be auto, wgmma, dequant, fused or reference, not {choice!r}")
+    if choice not in ("auto", "wgmma", "swap", "dequant", "fused", "reference"):
+        raise ValueError(f"QERL_NVFP4_GEMM must be auto, wgmma, swap, dequant, fused or reference, not {choice!r}")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if choice == "fused" and dtype == torch.bfloat16 and (device.type == "cuda" or interpreted):
         fused = _fused()
@@ -163,6 +186,8 @@ def _backend_for(device: torch.device, dtype: torch.dtype):
     if (choice == "wgmma" or choice == "auto" and AUTO_WGMMA) and cuda_bf16 and _fused() is not None \
             and torch.cuda.get_device_capability(device)[0] == 9:
         return _Wgmma
+    if choice == "swap" and cuda_bf16 and _fused() is not None and torch.cuda.get_device_capability(device)[0] == 9:
+        return _Swap
     if cuda_bf16 and choice != "reference":
         return _DequantCuBLAS
     return _Reference
