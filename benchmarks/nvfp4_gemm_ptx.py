@@ -128,7 +128,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         from kernels.nvfp4 import swap_gemm
         c = swap_gemm.full_config(cfg)
         consts = {"BN": c["BN"], "STAGES": c["STAGES"], "GROUP_M": c["GROUP_M"], "HAS_BIAS": False,
-                  "G_PER_ROW": c.get("G_PER_ROW", False)}
+                  "G_PER_ROW": c.get("G_PER_ROW", False), "PREPACKED": bool(c["PREPACKED"])}
         rows = 16 * c["WARPS"]
         out_layout = gl.NVMMASharedLayout.get_default_for([c["BN"], rows], gl.bfloat16)
         ptrs = {"x_desc": f"tensordesc<bf16[{c['BN']}, {swap_gemm.BK}],{swap_gemm._X_SMEM_LAYOUT!r}>",

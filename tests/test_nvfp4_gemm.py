@@ -253,6 +253,32 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
         assert r["tma_loads"] >= 2 and mem.get("ld.global.b8", 0) >= 16, r  # input by TMA; 16 weight bytes per step
         # no decoded tile in shared memory: one or two stores in the epilogue (output tile, split-K flag)
         assert sum(v for op, v in mem.items() if op.startswith("st.shared")) <= 2, r
+    # PREPACKED: a thread's 8 bytes of a row in one 64-bit load (2 per step, 4 steps in the SASS), put
+    # back in Ŵ's order in registers (no shared memory); the rest as above
+    r = _ptx_reports({"SWAP": True, "BN": 256, "WARPS": 8, "PREPACKED": True})[0]
+    mem = r["memory_instructions"]
+    assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma_a_overwrites"] == 0, r
+    assert mem.get("ld.global.b8", 0) == 0 and mem.get("ld.global.v2.b32", 0) >= 8, r
+    assert sum(v for op, v in mem.items() if op.startswith("st.shared")) <= 2, r
+
+
+def test_swap_prepack_puts_a_lanes_bytes_together_and_the_kernel_restores_the_order():
+    """`swap_gemm.prepack` stores byte t + 4j of every row's 32 bytes per step at 8t + j; the kernel
+    loads [rows, t, j] and reorders it (`_load_bytes`: reshape [rows, t, block, bit 2], permute to
+    [rows, block, bit 2, t]) back to Ŵ's [rows, block, byte]: the same index arithmetic in torch."""
+    from kernels.nvfp4 import swap_gemm
+
+    packed = torch.randint(0, 256, (48, 96), dtype=torch.uint8)  # 3 steps of 32 bytes
+    pre = swap_gemm.prepack(packed)
+    assert pre.shape == packed.shape and not torch.equal(pre, packed)
+    for t in range(4):
+        for j in range(8):
+            assert torch.equal(pre[:, 8 * t + j::32], packed[:, t + 4 * j::32])
+    loaded = pre.view(48, 3, 4, 8)  # [rows, step, t, j] as the kernel loads a step
+    restored = loaded.reshape(48, 3, 4, 4, 2).permute(0, 1, 3, 4, 2).reshape(48, 3, 4, 8)
+    assert torch.equal(restored.reshape(48, 96), packed)
+    with pytest.raises(ValueError, match="whole steps"):
+        swap_gemm.prepack(packed[:, :80])
 
 
 def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):

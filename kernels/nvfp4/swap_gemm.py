@@ -22,7 +22,9 @@ a row's 32 packed bytes per 64-deep step: one byte per 32-bit word, a byte's two
 register. So each thread loads its 16 bytes per step one by one (`LDG.U8`, from L1: a quad's four
 lanes read neighbouring bytes), and decodes each with `_DECODE_BYTE_ASM` (5 instructions per 2
 weights); `convert_layout(..., assert_trivial=True)` makes the compiler prove that the decoded
-tensor already is the fragment. The four block scales of a row and step come as one 32-bit word,
+tensor already is the fragment. With PREPACKED the weight comes reordered once by `prepack` (a lane's
+8 bytes of a row side by side): two 64-bit loads per thread and step instead of 16 byte loads (8x
+fewer L1 requests), the bytes put back in order in registers. The four block scales of a row and step come as one 32-bit word,
 decoded by `_SCALE_WORD_ASM` (the arithmetic of `gemm._SCALE_PAIR_ASM`, twice).
 
 Pipeline: the input tile [BN, 64] by TMA into a ring of STAGES slots (mbarrier per slot, rows ≥
@@ -46,12 +48,14 @@ import torch
 from .gemm import _SCALE_BIAS, _SCALE_PAIR_EXP, _counters
 from .wgmma_gemm import AVAILABLE  # whether this triton has Gluon's Hopper API
 
-__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_swap", "supports"]
+__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_swap", "prepack", "supports"]
 
 # WARPS: 4 or 8 (one or two warp groups, 64 weight rows each); BN input rows per CTA (8..256, the
 # wgmma's N; the accumulator takes BN / 2 registers per thread); STAGES input tiles in flight;
 # SPLIT_K programs per tile along the reduction; GROUP_M input-row tiles side by side (L2 reuse).
-DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8}
+# PREPACKED: the packed weight comes reordered by `prepack` (two 64-bit loads per thread and step
+# instead of 16 byte loads).
+DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8, "PREPACKED": False}
 BK = 64  # reduction per step: 32 packed bytes and 4 block scales per weight row
 
 
@@ -63,6 +67,16 @@ def supports(m: int, n: int, k: int, cfg: dict | None = None) -> bool:
     """Whether a config fits y [m, n] = x [m, k] @ Ŵᵀ: whole CTAs of weight rows, whole steps along K."""
     cfg = full_config(cfg)
     return m >= 1 and n % (16 * cfg["WARPS"]) == 0 and k % BK == 0
+
+
+def prepack(packed: torch.Tensor) -> torch.Tensor:
+    """The packed weight [N, K/2] reordered for configs with PREPACKED: in every row's 32 bytes of a
+    step, position 8t + j holds byte t + 4j (j = 0..7), the 8 bytes lane t of a quad decodes, so a
+    thread loads them at once. A copy (the checkpoint's order is unchanged)."""
+    n, half = packed.shape
+    if half % (BK // 2):
+        raise ValueError(f"prepack needs whole steps of {BK // 2} bytes per row, got {half}")
+    return packed.reshape(n, half // 32, 8, 4).transpose(-1, -2).reshape(n, half).contiguous()
 
 
 # `_byte_ptx`'s constants: b · SPREAD puts a byte's high nibble on bits 16-19 next to its low one
@@ -136,6 +150,27 @@ if AVAILABLE:
         warp = [[16 << b] for b in range(warps.bit_length() - 1)]
         return gl.DistributedLinearLayout([[8]], lane, warp, [], [16 * warps])
 
+    @gluon.constexpr_function
+    def _prepacked_layout(warps):
+        """[16·warps rows, 4 (t), 8 (j)] of one step's PREPACKED bytes (`prepack`): lane 4g + t holds
+        rows g and g + 8, and its 8 bytes j of each row in consecutive registers (one 64-bit load)."""
+        reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]]
+        lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        warp = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps, 4, 8])
+
+    @gluon.jit
+    def _load_bytes(ptrs, ROWS: gl.constexpr, PREPACKED: gl.constexpr, b_lay: gl.constexpr):
+        """One step's packed bytes [ROWS, 4, 8] (int32, zero-extended) in `_bytes_layout`: 16 byte loads
+        per thread, or with PREPACKED two 64-bit loads, the bytes put back in Ŵ's order in registers
+        (position 8t + j holds byte t + 4j: j = 2·block + bit 2 of the byte)."""
+        if PREPACKED:
+            v = gl.load(ptrs).to(gl.int32)  # [ROWS, t, j]
+            v = gl.permute(gl.reshape(v, [ROWS, 4, 4, 2]), (0, 2, 3, 1))  # [ROWS, block, bit 2, t]
+            return gl.convert_layout(gl.reshape(v, [ROWS, 4, 8]), b_lay)
+        else:
+            return gl.load(ptrs).to(gl.int32)
+
     @gluon.jit
     def _decode_step(b, sw, ROWS: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
         """Packed bytes b [ROWS, 4, 8] (int32, zero-extended) and scale words sw [ROWS] → the step's
@@ -208,7 +243,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _swap_step(i, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m, ROWS: gl.constexpr,
-                   BN: gl.constexpr, STAGES: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
+                   BN: gl.constexpr, STAGES: gl.constexpr, PREPACKED: gl.constexpr, b_lay: gl.constexpr,
+                   a_op: gl.constexpr):
         """Step i: multiply its decoded weight `a` by its input tile (async); meanwhile load step i + 2's
         bytes and scales and decode step i + 1's (`b`, `sw`). Then wait for this wgmma: its A registers
         may not be written before it is done (a second wgmma in flight would need the next A in other
@@ -218,7 +254,7 @@ if AVAILABLE:
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
         nxt = gl.minimum(i + 2, n_k - 1)
-        b_next = gl.load(b_ptrs + nxt * (BK_ // 2)).to(gl.int32)
+        b_next = _load_bytes(b_ptrs + nxt * (BK_ // 2), ROWS, PREPACKED, b_lay)
         sw_next = gl.load(s_ptrs + nxt)
         a_next = _decode_step(b, sw, ROWS, b_lay, a_op)
         acc, a, a_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_next))
@@ -234,7 +270,7 @@ if AVAILABLE:
         x_desc, out_desc, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_w, stride_s, SPLIT_K,
         BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, PREPACKED: gl.constexpr,
     ):
         W: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * W
@@ -248,10 +284,12 @@ if AVAILABLE:
         split = gl.program_id(1)
         off_m, off_n, k0, n_k = _tile(tile, split, M, N, K, SPLIT_K, BN, ROWS, BK_, GROUP_M)
 
-        # the step's packed bytes [ROWS, 4, 8] and scale words [ROWS] of step 0 (of this split)
-        br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_lay)))
-        bb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_lay)))
-        bi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_lay)))
+        # the step's packed bytes [ROWS, 4, 8] and scale words [ROWS] of step 0 (of this split); with
+        # PREPACKED, the bytes in the order they are stored ([ROWS, t, j], see `_load_bytes`)
+        l_lay: gl.constexpr = _prepacked_layout(W) if PREPACKED else b_lay
+        br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, l_lay)))
+        bb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l_lay)))
+        bi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l_lay)))
         b_ptrs = (packed_ptr + ((off_n + br).to(gl.int64) * stride_w + k0 * (BK_ // 2))[:, None, None]
                   + (bb * 8)[None, :, None] + bi[None, None, :])
         sr = gl.arange(0, ROWS, layout=r_lay)
@@ -269,25 +307,26 @@ if AVAILABLE:
                 _tma_load(x_desc, [off_m, (k0 + j) * BK_], ready.index(j), x_ring.index(j))
 
         # step 0 decoded, step 1's bytes and scales loaded (the last step reloads itself: unused)
-        a = _decode_step(gl.load(b_ptrs).to(gl.int32), gl.load(s_ptrs), ROWS, b_lay, a_op)
+        a = _decode_step(_load_bytes(b_ptrs, ROWS, PREPACKED, b_lay), gl.load(s_ptrs), ROWS, b_lay, a_op)
         nxt = gl.minimum(1, n_k - 1)
-        b = gl.load(b_ptrs + nxt * (BK_ // 2)).to(gl.int32)
+        b = _load_bytes(b_ptrs + nxt * (BK_ // 2), ROWS, PREPACKED, b_lay)
         sw = gl.load(s_ptrs + nxt)
         # step 0 outside the loop: were the accumulator's zeros on a path that skips the loop, ptxas
         # would serialize the wgmma (C7515; see wgmma_gemm._wgmma_kernel)
         acc = gl.zeros([ROWS, BN], gl.float32, layout=mma)
         acc, a, b, sw = _swap_step(0, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
-                                   ROWS, BN, STAGES, b_lay, a_op)
+                                   ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
         for i in range(1, n_k):
             acc, a, b, sw = _swap_step(i, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
-                                       ROWS, BN, STAGES, b_lay, a_op)
+                                       ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
         _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, split,
                       ROWS, BN, HAS_BIAS, G_PER_ROW, mma)
 
 
 def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
-    """y [M, N] bf16 = x [M, K] bf16 @ Ŵᵀ (+ bias), Ŵ [N, K]; one global scale or one per row of Ŵ."""
+    """y [M, N] bf16 = x [M, K] bf16 @ Ŵᵀ (+ bias), Ŵ [N, K]; one global scale or one per row of Ŵ.
+    With cfg PREPACKED, `packed` is `prepack`'s reordering of the packed weight."""
     cfg = full_config(cfg)
     m, k = x.shape
     n = packed.shape[0]
@@ -332,6 +371,6 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
         x_desc, out_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, ws,
         _counters(x.device, tiles), m, n, k, packed.stride(0), scale.stride(0), split,
         BN=cfg["BN"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
-        G_PER_ROW=g.numel() > 1, num_warps=cfg["WARPS"],
+        G_PER_ROW=g.numel() > 1, PREPACKED=bool(cfg["PREPACKED"]), num_warps=cfg["WARPS"],
     )
     return out
