@@ -24,8 +24,9 @@ lanes read neighbouring bytes), and decodes each with `_DECODE_BYTE_ASM` (5 inst
 weights); `convert_layout(..., assert_trivial=True)` makes the compiler prove that the decoded
 tensor already is the fragment. With PREPACKED the weight comes reordered once by `prepack` (a lane's
 8 bytes of a row side by side): two 64-bit loads per thread and step instead of 16 byte loads (8x
-fewer L1 requests), the bytes put back in order in registers. The four block scales of a row and step come as one 32-bit word,
-decoded by `_SCALE_WORD_ASM` (the arithmetic of `gemm._SCALE_PAIR_ASM`, twice).
+fewer L1 requests), the bytes put back in order in registers. The four block scales of a row and
+step come as one 32-bit word, decoded by `_SCALE_WORD_ASM` (the arithmetic of
+`gemm._SCALE_PAIR_ASM`, twice).
 
 Pipeline: the input tile [BN, 64] by TMA into a ring of STAGES slots (mbarrier per slot, rows ≥
 M read as zeros); the packed bytes and scale words two steps ahead in registers; per step: issue
