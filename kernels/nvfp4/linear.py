@@ -166,10 +166,10 @@ AUTO_WGMMA = False
 def _backend(x: Tensor):
     """THE choice of GEMM implementation. QERL_NVFP4_GEMM: 'auto' (default: on Hopper GPUs
     `_Wgmma` when AUTO_WGMMA, else dequant+cublas for bf16 CUDA activations; the reference
-    otherwise), 'wgmma' (`_Wgmma` on a Hopper GPU), 'swap' (`_Swap` on a Hopper GPU), 'dequant' (dequant+cublas on CUDA), 'fused'
-    (the fused Triton kernels of kernels/nvfp4/gemm.py, for bf16 activations on CUDA, or on the
-    CPU under TRITON_INTERPRET=1, which tests use), 'reference' (byte-table dequantize + matmul;
-    debugging, A/B)."""
+    otherwise), 'wgmma' (`_Wgmma` on a Hopper GPU), 'swap' (`_Swap` on a Hopper GPU), 'dequant'
+    (dequant+cublas on CUDA), 'fused' (the fused Triton kernels of kernels/nvfp4/gemm.py, for bf16
+    activations on CUDA, or on the CPU under TRITON_INTERPRET=1, which tests use), 'reference'
+    (byte-table dequantize + matmul; debugging, A/B)."""
     return _backend_for(x.device, x.dtype)
 
 
