@@ -174,6 +174,8 @@ def time_case(torch, wg, name: str, n: int, k: int, op: str, m: int, args) -> li
 
     dev = torch.device("cuda")
     red, p = (k, n) if op == "fwd" else (n, k)
+    if not any(wg.supports(m, p, red, cfg, op == "fwd") for cfg in args.configs):
+        return []  # no config runs here (the swap kernel has no dX): no baselines either
     n_sets = max(2, min(16, math.ceil(args.rotate_mib * 2**20 / (n * k * 2.56 + 2 * m * (k + n)))))
     sets = []
     for _ in range(n_sets):
