@@ -248,7 +248,8 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
     for cfg in ({"BN": 16, "WARPS": 4}, {"BN": 256, "WARPS": 8, "G_PER_ROW": True}):
         r = _ptx_reports({"SWAP": True, **cfg})[0]
         mem = r["memory_instructions"]
-        assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 8, r  # 4 k16, step 0 peeled
+        # 4 k16 per step: step 0 peeled, two per iteration, the odd last one
+        assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 16, r
         assert r["wgmma_a_overwrites"] == 0, r  # nothing writes an in-flight wgmma's A registers
         assert r["tma_loads"] >= 2 and mem.get("ld.global.b8", 0) >= 16, r  # input by TMA; 16 weight bytes per step
         # no decoded tile in shared memory: one or two stores in the epilogue (output tile, split-K flag)
@@ -258,7 +259,7 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
     r = _ptx_reports({"SWAP": True, "BN": 256, "WARPS": 8, "PREPACKED": True})[0]
     mem = r["memory_instructions"]
     assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma_a_overwrites"] == 0, r
-    assert mem.get("ld.global.b8", 0) == 0 and mem.get("ld.global.v2.b32", 0) >= 8, r
+    assert mem.get("ld.global.b8", 0) == 0 and mem.get("ld.global.v2.b32", 0) >= 10, r
     assert sum(v for op, v in mem.items() if op.startswith("st.shared")) <= 2, r
 
 

@@ -31,7 +31,8 @@ step come as one 32-bit word, decoded by `_SCALE_WORD_ASM` (the arithmetic of
 Pipeline: the input tile [BN, 64] by TMA into a ring of STAGES slots (mbarrier per slot, rows ≥
 M read as zeros); the packed bytes and scale words two steps ahead in registers; per step: issue
 step i's wgmma asynchronously, load step i + 2 and decode step i + 1 while it runs, wait for it,
-one CTA barrier, refill its slot. One wgmma in flight, not two: a wgmma's A registers may not be
+one CTA barrier, refill its slot; two steps per loop iteration, so that the bytes and A fragments
+alternate between two register sets without copies. One wgmma in flight, not two: a wgmma's A registers may not be
 written until it is retired, and with the next A decoded in a loop the compiler may reuse them (the
 first draft kept two in flight and did; `benchmarks/nvfp4_gemm_ptx.py` now counts such writes,
 `wgmma_a_overwrites`, and a test requires none).
@@ -153,27 +154,39 @@ if AVAILABLE:
 
     @gluon.constexpr_function
     def _prepacked_layout(warps):
-        """[16·warps rows, 4 (t), 8 (j)] of one step's PREPACKED bytes (`prepack`): lane 4g + t holds
-        rows g and g + 8, and its 8 bytes j of each row in consecutive registers (one 64-bit load)."""
-        reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]]
+        """[16·warps rows, 4 (t), 2 (words)] of one step's PREPACKED weight as 32-bit words (`prepack`):
+        lane 4g + t holds rows g and g + 8, and its 2 words (8 bytes) of each row in consecutive
+        registers (one 64-bit load per row)."""
+        reg = [[0, 0, 1], [8, 0, 0]]
         lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
         warp = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps, 4, 8])
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps, 4, 2])
 
     @gluon.jit
-    def _load_bytes(ptrs, ROWS: gl.constexpr, PREPACKED: gl.constexpr, b_lay: gl.constexpr):
-        """One step's packed bytes [ROWS, 4, 8] (int32, zero-extended) in `_bytes_layout`: 16 byte loads
-        per thread, or with PREPACKED two 64-bit loads, the bytes put back in Ŵ's order in registers
-        (position 8t + j holds byte t + 4j: j = 2·block + bit 2 of the byte)."""
+    def _load_bytes(ptrs, PREPACKED: gl.constexpr):
+        """One step's packed weight as loaded: bytes [ROWS, 4, 8] zero-extended to int32 (16 byte loads
+        per thread, `_bytes_layout`), or with PREPACKED the raw words [ROWS, 4, 2] (two 64-bit loads).
+        Kept raw until `_bytes` decodes them a step later: unpacking them here would wait for the load."""
         if PREPACKED:
-            v = gl.load(ptrs).to(gl.int32)  # [ROWS, t, j]
-            v = gl.permute(gl.reshape(v, [ROWS, 4, 4, 2]), (0, 2, 3, 1))  # [ROWS, block, bit 2, t]
-            return gl.convert_layout(gl.reshape(v, [ROWS, 4, 8]), b_lay)
+            return gl.load(ptrs)
         else:
             return gl.load(ptrs).to(gl.int32)
 
     @gluon.jit
-    def _decode_step(b, sw, ROWS: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
+    def _bytes(v, ROWS: gl.constexpr, PREPACKED: gl.constexpr, b_lay: gl.constexpr):
+        """`_load_bytes`'s result as bytes [ROWS, 4, 8] (int32) in `_bytes_layout`. PREPACKED: word w
+        of lane t holds bytes 8t + 4w + i (i = 0..3), which hold Ŵ's byte t + 4j (j = 4w + i = 2·block +
+        bit 2 of the byte): split the words, then reorder in registers."""
+        if PREPACKED:
+            b = gl.join(gl.join(v & 0xFF, (v >> 16) & 0xFF), gl.join((v >> 8) & 0xFF, (v >> 24) & 0xFF))
+            b = gl.reshape(b, [ROWS, 4, 8])  # [rows, t, j], j = 4w + i
+            b = gl.permute(gl.reshape(b, [ROWS, 4, 4, 2]), (0, 2, 3, 1))  # [rows, block, bit 2, t]
+            return gl.convert_layout(gl.reshape(b, [ROWS, 4, 8]), b_lay)
+        else:
+            return v
+
+    @gluon.jit
+    def _decode_step(b, sw, ROWS: gl.constexpr, PREPACKED: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
         """Packed bytes b [ROWS, 4, 8] (int32, zero-extended) and scale words sw [ROWS] → the step's
         weights [ROWS, 64] bf16 (· 2^-8) in the wgmma A fragment's layout."""
         s0, s1, s2, s3 = gl.inline_asm_elementwise(_SCALE_WORD_ASM, "=r,=r,=r,=r,r", [sw],
@@ -183,7 +196,7 @@ if AVAILABLE:
         # broadcast over a block's 8 bytes
         s = gl.reshape(gl.join(gl.join(s0, s2), gl.join(s1, s3)), [ROWS, 4])
         s = gl.convert_layout(s, gl.SliceLayout(2, b_lay), assert_trivial=True)
-        s, b = gl.broadcast(gl.expand_dims(s, 2), b)
+        s, b = gl.broadcast(gl.expand_dims(s, 2), _bytes(b, ROWS, PREPACKED, b_lay))
         lo, hi = gl.inline_asm_elementwise(_DECODE_BYTE_ASM, "=h,=h,r,r", [b, s],
                                            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
         w = gl.reshape(gl.join(lo, hi), [ROWS, 64])  # code 2·byte + nibble: Ŵ's column order
@@ -251,13 +264,14 @@ if AVAILABLE:
         may not be written before it is done (a second wgmma in flight would need the next A in other
         registers than this one, which the loop cannot promise), and its input slot takes step i + STAGES."""
         BK_: gl.constexpr = 64
+        STEP: gl.constexpr = 8 if PREPACKED else BK_ // 2  # a step's bytes per row, in b_ptrs' units
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
         nxt = gl.minimum(i + 2, n_k - 1)
-        b_next = _load_bytes(b_ptrs + nxt * (BK_ // 2), ROWS, PREPACKED, b_lay)
+        b_next = _load_bytes(b_ptrs + nxt * STEP, PREPACKED)
         sw_next = gl.load(s_ptrs + nxt)
-        a_next = _decode_step(b, sw, ROWS, b_lay, a_op)
+        a_next = _decode_step(b, sw, ROWS, PREPACKED, b_lay, a_op)
         acc, a, a_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_next))
         _cta_barrier()  # every warp group's wgmma of step i is done: its input slot is free
         fill = i + STAGES
@@ -286,13 +300,23 @@ if AVAILABLE:
         off_m, off_n, k0, n_k = _tile(tile, split, M, N, K, SPLIT_K, BN, ROWS, BK_, GROUP_M)
 
         # the step's packed bytes [ROWS, 4, 8] and scale words [ROWS] of step 0 (of this split); with
-        # PREPACKED, the bytes in the order they are stored ([ROWS, t, j], see `_load_bytes`)
-        l_lay: gl.constexpr = _prepacked_layout(W) if PREPACKED else b_lay
-        br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, l_lay)))
-        bb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l_lay)))
-        bi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l_lay)))
-        b_ptrs = (packed_ptr + ((off_n + br).to(gl.int64) * stride_w + k0 * (BK_ // 2))[:, None, None]
-                  + (bb * 8)[None, :, None] + bi[None, None, :])
+        # PREPACKED, its 32-bit words in the order they are stored ([ROWS, t, w], see `_bytes`)
+        if PREPACKED:
+            l_lay: gl.constexpr = _prepacked_layout(W)
+            br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, l_lay)))
+            bt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l_lay)))
+            bw = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, l_lay)))
+            b_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32))
+                      + ((off_n + br).to(gl.int64) * (stride_w // 4) + k0 * 8)[:, None, None]
+                      + (bt * 2)[None, :, None] + bw[None, None, :])
+            STEP: gl.constexpr = 8
+        else:
+            br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_lay)))
+            bb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_lay)))
+            bi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_lay)))
+            b_ptrs = (packed_ptr + ((off_n + br).to(gl.int64) * stride_w + k0 * (BK_ // 2))[:, None, None]
+                      + (bb * 8)[None, :, None] + bi[None, None, :])
+            STEP: gl.constexpr = BK_ // 2
         sr = gl.arange(0, ROWS, layout=r_lay)
         s_ptrs = scale_ptr.to(gl.pointer_type(gl.int32)) + (off_n + sr).to(gl.int64) * (stride_s // 4) + k0
 
@@ -308,18 +332,26 @@ if AVAILABLE:
                 _tma_load(x_desc, [off_m, (k0 + j) * BK_], ready.index(j), x_ring.index(j))
 
         # step 0 decoded, step 1's bytes and scales loaded (the last step reloads itself: unused)
-        a = _decode_step(_load_bytes(b_ptrs, ROWS, PREPACKED, b_lay), gl.load(s_ptrs), ROWS, b_lay, a_op)
+        a = _decode_step(_load_bytes(b_ptrs, PREPACKED), gl.load(s_ptrs), ROWS, PREPACKED, b_lay, a_op)
         nxt = gl.minimum(1, n_k - 1)
-        b = _load_bytes(b_ptrs + nxt * (BK_ // 2), ROWS, PREPACKED, b_lay)
+        b = _load_bytes(b_ptrs + nxt * STEP, PREPACKED)
         sw = gl.load(s_ptrs + nxt)
         # step 0 outside the loop: were the accumulator's zeros on a path that skips the loop, ptxas
         # would serialize the wgmma (C7515; see wgmma_gemm._wgmma_kernel)
         acc = gl.zeros([ROWS, BN], gl.float32, layout=mma)
         acc, a, b, sw = _swap_step(0, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
                                    ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
-        for i in range(1, n_k):
+        # two steps per iteration: the loaded bytes and the decoded A alternate between two sets of
+        # registers, so the loop carries them without copies (a copy of a loaded register at the end
+        # of an iteration would wait for its load)
+        for i in range(1, n_k - 1, 2):
             acc, a, b, sw = _swap_step(i, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
                                        ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
+            acc, a, b, sw = _swap_step(i + 1, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0,
+                                       off_m, ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
+        if n_k % 2 == 0:  # steps 1 .. n_k - 1 were odd in number: the last one
+            acc, a, b, sw = _swap_step(n_k - 1, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0,
+                                       off_m, ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
         _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, split,
                       ROWS, BN, HAS_BIAS, G_PER_ROW, mma)
 
