@@ -74,11 +74,9 @@ class Kernels:
     warp-specialized wgmma kernel)."""
 
     def __init__(self):
-        import weakref
-
         from kernels.nvfp4 import swap_gemm, wgmma_gemm
         self.wg, self.swap = wgmma_gemm, swap_gemm
-        self.prepacked = weakref.WeakKeyDictionary()  # packed weight -> swap_gemm.prepack(it), made once
+        self.prepacked = {}  # id(packed weight) -> (the weight, swap_gemm.prepack(it)), made once
 
     def supports(self, m, p, r, cfg, forward=True):
         if cfg.get("SWAP"):
@@ -88,9 +86,10 @@ class Kernels:
     def linear_wgmma(self, x, packed, scale, g, bias=None, cfg=None):
         if (cfg or {}).get("SWAP"):
             if cfg.get("PREPACKED"):  # reordered once per weight (as a model would at load), not timed
-                if packed not in self.prepacked:
-                    self.prepacked[packed] = self.swap.prepack(packed)
-                packed = self.prepacked[packed]
+                held = self.prepacked.get(id(packed))
+                if held is None or held[0] is not packed:
+                    self.prepacked[id(packed)] = held = (packed, self.swap.prepack(packed))
+                packed = held[1]
             return self.swap.linear_swap(x, packed, scale, g, bias, cfg)
         return self.wg.linear_wgmma(x, packed, scale, g, bias, cfg)
 

@@ -32,4 +32,4 @@ for name in ws swap; do
 done
 [ $SECONDS -lt 460 ] && timeout 60 python3 $D/variants.py "$WS" "$DW8" > $OUT/variants.log 2>&1
 tar -C $OUT -czf $OUT/ncu.tar.gz x && rm -rf $OUT/x
-echo "# $SECONDS s"; tail -4 $OUT/check.log $OUT/small.log $OUT/variants.log
+echo "# $SECONDS s"; for f in $OUT/*.log; do echo "== $f"; tail -n 4 $f; done
