@@ -40,8 +40,12 @@ Epilogue: · 2^8 / g per weight row (+ bias), rounded to bf16, transposed throug
 (stmatrix) and stored by TMA; optional split-K as in `wgmma_gemm.py` (fp32 partials in a workspace
 of whole tiles, the last program to arrive sums them in split order).
 
-Status: written and compiled offline (2026-12-07; a test compiles it, `byte_bits` pins the byte
-decode's arithmetic); not yet run on a GPU, and nothing routes to it (NOTES.md, 2026-12-07).
+Status (H200, NOTES.md "2026-12-07, third session"): correct (112 / 112 cases of
+`nvfp4_wgmma_check.py`); at M = 4096 68-71 % of cuBLAS on the learner's shapes (the WS kernel of
+`wgmma_gemm.py` 77-82 %), 76-81 % on vLLM's fused qkv / gate_up with PREPACKED; at 16 rows 30-35 %
+of the HBM bandwidth on the big shapes, slower than the serving table's kernels. ptxas issues the
+loads after the wgmma wait, so the next step's scale decode waits for them (ncu). The learner
+takes it only with `QERL_NVFP4_GEMM=swap`; serving does not route to it.
 """
 from __future__ import annotations
 
