@@ -76,7 +76,14 @@ class Kernels:
     def __init__(self):
         from kernels.nvfp4 import swap_gemm, wgmma_gemm
         self.wg, self.swap = wgmma_gemm, swap_gemm
-        self.prepacked = {}  # id(packed weight) -> (the weight, swap_gemm.prepack(it)), made once
+        self.prepared = {}  # (id(tensor), how) -> (the tensor, its reordered copy), made once per tensor
+
+    def _prepared(self, t, how):
+        """`how(t)` (swap_gemm.prepack / prepack_scales), made once per tensor (as a model would at load)."""
+        held = self.prepared.get((id(t), how))
+        if held is None or held[0] is not t:
+            self.prepared[(id(t), how)] = held = (t, how(t))
+        return held[1]
 
     def supports(self, m, p, r, cfg, forward=True):
         if cfg.get("SWAP"):
@@ -85,11 +92,10 @@ class Kernels:
 
     def linear_wgmma(self, x, packed, scale, g, bias=None, cfg=None):
         if (cfg or {}).get("SWAP"):
-            if cfg.get("PREPACKED"):  # reordered once per weight (as a model would at load), not timed
-                held = self.prepacked.get(id(packed))
-                if held is None or held[0] is not packed:
-                    self.prepacked[id(packed)] = held = (packed, self.swap.prepack(packed))
-                packed = held[1]
+            if cfg.get("PREPACKED"):  # reordered once per weight, not timed
+                packed = self._prepared(packed, self.swap.prepack)
+            if cfg.get("TMA_W"):
+                scale = self._prepared(scale, self.swap.prepack_scales)
             return self.swap.linear_swap(x, packed, scale, g, bias, cfg)
         return self.wg.linear_wgmma(x, packed, scale, g, bias, cfg)
 

@@ -261,6 +261,13 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
     assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma_a_overwrites"] == 0, r
     assert mem.get("ld.global.b8", 0) == 0 and mem.get("ld.global.v2.b32", 0) >= 10, r
     assert sum(v for op, v in mem.items() if op.startswith("st.shared")) <= 2, r
+    # TMA_W: the weight's bytes and scales come with the input through the TMA ring (3 TMA loads per
+    # fill); no global load of the weight at all, the decode reads shared memory (64-bit words)
+    r = _ptx_reports({"SWAP": True, "BN": 256, "WARPS": 8, "PREPACKED": True, "TMA_W": True})[0]
+    mem = r["memory_instructions"]
+    assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma_a_overwrites"] == 0, r
+    assert not any(op.startswith("ld.global") and "cg" not in op and op != "ld.global.b32" for op in mem), r
+    assert mem.get("ld.global.b32", 0) <= 2 and mem.get("ld.shared.v2.b32", 0) >= 10 and r["tma_loads"] >= 12, r
 
 
 def test_swap_prepack_puts_a_lanes_bytes_together_and_the_kernel_restores_the_order():
@@ -280,6 +287,14 @@ def test_swap_prepack_puts_a_lanes_bytes_together_and_the_kernel_restores_the_or
     assert torch.equal(restored.reshape(48, 96), packed)
     with pytest.raises(ValueError, match="whole steps"):
         swap_gemm.prepack(packed[:, :80])
+    # TMA_W's scales: step-major [K/64, N, 4]; the kernel reads step s's box as one 32-bit word per row
+    scale = torch.randint(0, 256, (48, 12), dtype=torch.uint8)  # 3 steps of 4 block scales
+    pre_s = swap_gemm.prepack_scales(scale)
+    assert pre_s.shape == (3, 48, 4) and pre_s.is_contiguous()
+    for step in range(3):
+        box = pre_s[step].reshape(-1)  # the TMA box [1, 48/4, 16] as the kernel's shared memory holds it
+        for row in range(48):
+            assert torch.equal(box[4 * row:4 * row + 4], scale[row, 4 * step:4 * step + 4])
 
 
 def test_wgmma_kernel_refuses_what_it_cannot_run(monkeypatch):

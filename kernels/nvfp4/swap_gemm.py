@@ -54,14 +54,16 @@ import torch
 from .gemm import _SCALE_BIAS, _SCALE_PAIR_EXP, _counters
 from .wgmma_gemm import AVAILABLE  # whether this triton has Gluon's Hopper API
 
-__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_swap", "prepack", "supports"]
+__all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_swap", "prepack", "prepack_scales",
+           "supports"]
 
 # WARPS: 4 or 8 (one or two warp groups, 64 weight rows each); BN input rows per CTA (8..256, the
 # wgmma's N; the accumulator takes BN / 2 registers per thread); STAGES input tiles in flight;
 # SPLIT_K programs per tile along the reduction; GROUP_M input-row tiles side by side (L2 reuse).
 # PREPACKED: the packed weight comes reordered by `prepack` (two 64-bit loads per thread and step
-# instead of 16 byte loads).
-DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8, "PREPACKED": False}
+# instead of 16 byte loads). TMA_W (needs PREPACKED): the packed weight and the block scales
+# (reordered by `prepack_scales`) come through the TMA ring with the input: no global load in a step.
+DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8, "PREPACKED": False, "TMA_W": False}
 BK = 64  # reduction per step: 32 packed bytes and 4 block scales per weight row
 
 
@@ -83,6 +85,15 @@ def prepack(packed: torch.Tensor) -> torch.Tensor:
     if half % (BK // 2):
         raise ValueError(f"prepack needs whole steps of {BK // 2} bytes per row, got {half}")
     return packed.reshape(n, half // 32, 8, 4).transpose(-1, -2).reshape(n, half).contiguous()
+
+
+def prepack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """The block scales [N, K/16] reordered for configs with TMA_W: step-major [K/64, N, 4] (the four
+    scales of a row and 64-deep step together, one step's rows contiguous, as one TMA box). A copy."""
+    n, blocks = scale.shape
+    if blocks % (BK // 16):
+        raise ValueError(f"prepack_scales needs whole steps of {BK // 16} block scales per row, got {blocks}")
+    return scale.reshape(n, blocks // 4, 4).transpose(0, 1).contiguous()
 
 
 # `_byte_ptx`'s constants: b · SPREAD puts a byte's high nibble on bits 16-19 next to its low one
@@ -138,6 +149,9 @@ if AVAILABLE:
     _SCALE_WORD_ASM = gl.constexpr(_scale_word_ptx())
     _SCALE_BIAS_C = gl.constexpr(_SCALE_BIAS)
     _X_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # TMA_W: the weight's bytes [rows, 32] and scales [1, rows/4, 16] unswizzled (read by plain loads)
+    _BYTES_SMEM_LAYOUT_2D = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    _BYTES_SMEM_LAYOUT_3D = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
 
     @gluon.constexpr_function
     def _bytes_layout(warps):
@@ -205,6 +219,15 @@ if AVAILABLE:
                                            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
         w = gl.reshape(gl.join(lo, hi), [ROWS, 64])  # code 2·byte + nibble: Ŵ's column order
         return gl.convert_layout(w, a_op, assert_trivial=True)
+
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # triton 3.9
+        @gluon.jit
+        def _smem_as(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return smem.reinterpret(dtype, shape, layout)
+    else:  # triton 3.6
+        @gluon.jit
+        def _smem_as(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return smem._reinterpret(dtype, shape, layout)
 
     if hasattr(tma, "async_store"):  # triton 3.9
         @gluon.jit
@@ -280,16 +303,70 @@ if AVAILABLE:
         _cta_barrier()  # every warp group's wgmma of step i is done: its input slot is free
         fill = i + STAGES
         if fill < n_k:
-            mbarrier.expect(ready.index(slot), BN * BK_ * 2)
-            _tma_load(x_desc, [off_m, (k0 + fill) * BK_], ready.index(slot), x_ring.index(slot))
+            _fill(slot, fill, x_desc, x_desc, x_desc, x_ring, x_ring, x_ring, ready, off_m, 0, k0, BN, ROWS, False)
         return acc, a_next, b_next, sw_next
+
+    @gluon.constexpr_function
+    def _words_layout(warps):
+        """[16·warps rows, 8 words] of one step's PREPACKED weight in shared memory: lane 4g + t holds
+        words 2t, 2t + 1 of rows g and g + 8 (`_prepacked_layout` before the reshape)."""
+        reg = [[0, 1], [8, 0]]
+        lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+        warp = [[16 << b, 0] for b in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps, 8])
+
+    @gluon.jit
+    def _fill(slot, step, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0,
+              BN: gl.constexpr, ROWS: gl.constexpr, TMA_W: gl.constexpr):
+        """Start the TMA loads of `step` into ring slot `slot`: the input tile, and with TMA_W the
+        weight's packed bytes [ROWS, 32] and block scales [ROWS, 4] (one mbarrier for all)."""
+        BK_: gl.constexpr = 64
+        if TMA_W:
+            mbarrier.expect(ready.index(slot), BN * BK_ * 2 + ROWS * (BK_ // 2 + BK_ // 16))
+            _tma_load(w_desc, [off_n, (k0 + step) * (BK_ // 2)], ready.index(slot), w_ring.index(slot))
+            _tma_load(s_desc, [k0 + step, off_n // 4, 0], ready.index(slot), s_ring.index(slot))
+        else:
+            mbarrier.expect(ready.index(slot), BN * BK_ * 2)
+        _tma_load(x_desc, [off_m, (k0 + step) * BK_], ready.index(slot), x_ring.index(slot))
+
+    @gluon.jit
+    def _decode_slot(w_ring, s_ring, ready, step, STAGES: gl.constexpr, ROWS: gl.constexpr, b_lay: gl.constexpr,
+                     a_op: gl.constexpr):
+        """TMA_W: wait for `step`'s slot, read its packed words and scale words from shared memory
+        (two 64-bit and two 32-bit loads per thread) and decode them into the A fragment."""
+        W: gl.constexpr = gl.num_warps()
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        words = _smem_as(w_ring.index(slot), gl.int32, [ROWS, 8],
+                         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+        b = gl.convert_layout(gl.reshape(words.load(_words_layout(W)), [ROWS, 4, 2]), _prepacked_layout(W))
+        sw = _smem_as(s_ring.index(slot), gl.int32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(
+            _rows_layout(W))
+        return _decode_step(b, sw, ROWS, True, b_lay, a_op)
+
+    @gluon.jit
+    def _swap_step_tma(i, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k, k0, off_m, off_n,
+                       ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, b_lay: gl.constexpr,
+                       a_op: gl.constexpr):
+        """`_swap_step` with the weight and scales in the TMA ring: no global load in the step. Step i's
+        wgmma runs while step i + 1's slot is decoded; then the wait, and slot i takes step i + STAGES."""
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+        a_next = _decode_slot(w_ring, s_ring, ready, gl.minimum(i + 1, n_k - 1), STAGES, ROWS, b_lay, a_op)
+        acc, a, a_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_next))
+        _cta_barrier()  # every warp group's wgmma of step i is done and its slot read: the slot is free
+        fill = i + STAGES
+        if fill < n_k:
+            _fill(slot, fill, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, ROWS, True)
+        return acc, a_next
 
     @gluon.jit
     def _swap_kernel(
-        x_desc, out_desc, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr, cnt_ptr,
+        x_desc, w_desc, s_desc, out_desc, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_w, stride_s, SPLIT_K,
         BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, PREPACKED: gl.constexpr,
+        HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, PREPACKED: gl.constexpr, TMA_W: gl.constexpr,
     ):
         W: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * W
@@ -325,6 +402,12 @@ if AVAILABLE:
         s_ptrs = scale_ptr.to(gl.pointer_type(gl.int32)) + (off_n + sr).to(gl.int64) * (stride_s // 4) + k0
 
         x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK_], x_desc.layout)
+        if TMA_W:  # the weight's bytes and scales of each step in the ring too
+            w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, BK_ // 2], w_desc.layout)
+            s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 1, ROWS // 4, 16], s_desc.layout)
+        else:
+            w_ring = x_ring
+            s_ring = x_ring
         o_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, ROWS], out_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
@@ -332,30 +415,42 @@ if AVAILABLE:
         fence_async_shared()  # the initialized barriers are visible to TMA
         for j in gl.static_range(STAGES):  # steps 0 .. STAGES - 1
             if j < n_k:
-                mbarrier.expect(ready.index(j), BN * BK_ * 2)
-                _tma_load(x_desc, [off_m, (k0 + j) * BK_], ready.index(j), x_ring.index(j))
+                _fill(j, j, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, ROWS, TMA_W)
 
-        # step 0 decoded, step 1's bytes and scales loaded (the last step reloads itself: unused)
-        a = _decode_step(_load_bytes(b_ptrs, PREPACKED), gl.load(s_ptrs), ROWS, PREPACKED, b_lay, a_op)
-        nxt = gl.minimum(1, n_k - 1)
-        b = _load_bytes(b_ptrs + nxt * STEP, PREPACKED)
-        sw = gl.load(s_ptrs + nxt)
         # step 0 outside the loop: were the accumulator's zeros on a path that skips the loop, ptxas
-        # would serialize the wgmma (C7515; see wgmma_gemm._wgmma_kernel)
+        # would serialize the wgmma (C7515; see wgmma_gemm._wgmma_kernel). Two steps per iteration:
+        # the decoded A (and the loaded bytes) alternate between two sets of registers, so the loop
+        # carries them without copies (a copy of a loaded register at the end of an iteration would
+        # wait for its load)
         acc = gl.zeros([ROWS, BN], gl.float32, layout=mma)
-        acc, a, b, sw = _swap_step(0, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
-                                   ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
-        # two steps per iteration: the loaded bytes and the decoded A alternate between two sets of
-        # registers, so the loop carries them without copies (a copy of a loaded register at the end
-        # of an iteration would wait for its load)
-        for i in range(1, n_k - 1, 2):
-            acc, a, b, sw = _swap_step(i, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
+        if TMA_W:
+            a = _decode_slot(w_ring, s_ring, ready, 0, STAGES, ROWS, b_lay, a_op)
+            acc, a = _swap_step_tma(0, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k, k0,
+                                    off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
+            for i in range(1, n_k - 1, 2):
+                acc, a = _swap_step_tma(i, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k, k0,
+                                        off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
+                acc, a = _swap_step_tma(i + 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k,
+                                        k0, off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
+            if n_k % 2 == 0:  # steps 1 .. n_k - 1 were odd in number: the last one
+                acc, a = _swap_step_tma(n_k - 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k,
+                                        k0, off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
+        else:
+            # step 0 decoded, step 1's bytes and scales loaded (the last step reloads itself: unused)
+            a = _decode_step(_load_bytes(b_ptrs, PREPACKED), gl.load(s_ptrs), ROWS, PREPACKED, b_lay, a_op)
+            nxt = gl.minimum(1, n_k - 1)
+            b = _load_bytes(b_ptrs + nxt * STEP, PREPACKED)
+            sw = gl.load(s_ptrs + nxt)
+            acc, a, b, sw = _swap_step(0, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
                                        ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
-            acc, a, b, sw = _swap_step(i + 1, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0,
-                                       off_m, ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
-        if n_k % 2 == 0:  # steps 1 .. n_k - 1 were odd in number: the last one
-            acc, a, b, sw = _swap_step(n_k - 1, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0,
-                                       off_m, ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
+            for i in range(1, n_k - 1, 2):
+                acc, a, b, sw = _swap_step(i, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0, off_m,
+                                           ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
+                acc, a, b, sw = _swap_step(i + 1, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0,
+                                           off_m, ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
+            if n_k % 2 == 0:
+                acc, a, b, sw = _swap_step(n_k - 1, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0,
+                                           off_m, ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
         _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, split,
                       ROWS, BN, HAS_BIAS, G_PER_ROW, mma)
 
@@ -363,7 +458,8 @@ if AVAILABLE:
 def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
     """y [M, N] bf16 = x [M, K] bf16 @ Ŵᵀ (+ bias), Ŵ [N, K]; one global scale or one per row of Ŵ.
-    With cfg PREPACKED, `packed` is `prepack`'s reordering of the packed weight."""
+    With cfg PREPACKED, `packed` is `prepack`'s reordering of the packed weight; with TMA_W also,
+    `scale` is `prepack_scales`'s [K/64, N, 4]."""
     cfg = full_config(cfg)
     m, k = x.shape
     n = packed.shape[0]
@@ -377,14 +473,19 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     if not supports(m, n, k, cfg):
         raise ValueError(f"the swap kernel needs N % {16 * cfg['WARPS']} == 0 and K % {BK} == 0 "
                          f"(got M={m}, N={n}, K={k})")
+    if cfg["TMA_W"] and not cfg["PREPACKED"]:
+        raise ValueError(f"the swap kernel's TMA_W reads the weight in `prepack`'s order: it needs PREPACKED, got {cfg}")
+    scale_shape = (k // BK, n, BK // 16) if cfg["TMA_W"] else (n, k // 16)
     if x.dtype != torch.bfloat16 or packed.dtype != torch.uint8 or packed.shape != (n, k // 2) \
-            or tuple(scale.shape) != (n, k // 16) or global_scale.numel() not in (1, n) \
+            or tuple(scale.shape) != scale_shape or global_scale.numel() not in (1, n) \
             or (bias is not None and bias.numel() != n) or packed.stride(1) != 1 or scale.stride(1) != 1:
-        raise ValueError(f"the swap kernel needs x bf16 [M, K], packed uint8 [N, K/2], scale [N, K/16] (unit "
+        raise ValueError(f"the swap kernel needs x bf16 [M, K], packed uint8 [N, K/2], scale {list(scale_shape)} (unit "
                          f"stride along K), one global scale or N, a bias of N; got x {x.dtype} {tuple(x.shape)}, "
                          f"packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
                          f"{global_scale.numel()} global scale(s), bias {None if bias is None else bias.numel()}")
     smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2  # input ring + output tile, bf16
+    if cfg["TMA_W"]:
+        smem += cfg["STAGES"] * 16 * cfg["WARPS"] * (BK // 2 + BK // 16)  # the weight's bytes and scales
     if smem > 227 * 1024 or cfg["GROUP_M"] < 1:
         raise ValueError(f"the swap kernel's config needs {smem} bytes of shared memory (at most 227 KB: fewer "
                          f"STAGES or a smaller BN) and GROUP_M >= 1, got {cfg}")
@@ -404,10 +505,15 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     x_desc = TensorDescriptor.from_tensor(x, [cfg["BN"], BK], _X_SMEM_LAYOUT)
     out_desc = TensorDescriptor.from_tensor(out, [cfg["BN"], rows],
                                             gl.NVMMASharedLayout.get_default_for([cfg["BN"], rows], gl.bfloat16))
+    w_desc = s_desc = x_desc  # unused unless TMA_W
+    if cfg["TMA_W"]:
+        w_desc = TensorDescriptor.from_tensor(packed, [rows, BK // 2], _BYTES_SMEM_LAYOUT_2D)
+        s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(k // BK, n // 4, 16), [1, rows // 4, 16],
+                                              _BYTES_SMEM_LAYOUT_3D)
     _swap_kernel[(tiles, split)](
-        x_desc, out_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, ws,
+        x_desc, w_desc, s_desc, out_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, ws,
         _counters(x.device, tiles), m, n, k, packed.stride(0), scale.stride(0), split,
         BN=cfg["BN"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
-        G_PER_ROW=g.numel() > 1, PREPACKED=bool(cfg["PREPACKED"]), num_warps=cfg["WARPS"],
+        G_PER_ROW=g.numel() > 1, PREPACKED=bool(cfg["PREPACKED"]), TMA_W=bool(cfg["TMA_W"]), num_warps=cfg["WARPS"],
     )
     return out

@@ -1,16 +1,36 @@
 #!/bin/bash
-# The second device call of 2026-12-07 (third session), from the repo root:
-#   bash benchmarks/results/2026-12-07-swap/run.sh
-# The swap kernel at two CTAs per SM (a 128-column tile with 8 warps, or 4 warps): ncu of the first
-# call showed ptxas issuing each step's weight and scale loads after the wgmma wait, so the next
-# step's scale decode waits for them before its wgmma can issue; a second CTA per SM can fill that.
-# Cut to ~2 minutes: the session had ~5 minutes of device time left.
+# The next device call for the swap kernel (written 2026-12-07, third session; NOT RUN YET: the
+# session's device time ran out), from the repo root: bash benchmarks/results/2026-12-07-swap/run.sh
+# (~5 minutes; call with timeout_s 600). ncu of the first call (../2026-12-07-dw) showed ptxas issuing
+# each step's weight and scale loads after the wgmma wait, so the next step's scale decode waited
+# for them before its wgmma could issue. Two remedies, timed against the PREPACKED kernel and WS:
+# * TMA_W: the weight's bytes and scales come through the TMA ring with the input (no global load
+#   in a step; compiled offline: 174 registers, no spills);
+# * two CTAs per SM (a 128-column tile with 3 stages, or 4 warps), so one fills the other's gaps.
 set -u
 export PYTHONUNBUFFERED=1
+D=benchmarks/results/2026-12-07-swap
+TMA='{"SWAP":true,"PREPACKED":true,"TMA_W":true}'
+TMA128='{"SWAP":true,"PREPACKED":true,"TMA_W":true,"BN":128,"STAGES":3}'
+TMAW4='{"SWAP":true,"PREPACKED":true,"TMA_W":true,"WARPS":4,"BN":128}'
 B128='{"SWAP":true,"PREPACKED":true,"BN":128}'
-W4='{"SWAP":true,"PREPACKED":true,"WARPS":4,"BN":128}'
+SWP='{"SWAP":true,"PREPACKED":true}'
+WS='{"WARP_SPECIALIZE":true}'
+mkdir -p $OUT/x
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > $OUT/gpu.txt 2>&1
-timeout 130 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$B128, $W4]" --m 4096 \
-  --out $OUT/check.json > $OUT/check.log 2>&1
-echo "# $SECONDS s"; grep -E "^time|checks ok" $OUT/check.log
+timeout 300 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$TMA, $TMA128, $TMAW4, $B128, $SWP, $WS]" --m 4096 256 \
+  --layer-step --out $OUT/check.json > $OUT/check.log 2>&1
+# decode sizes: with TMA_W the weight is STAGES steps ahead, so deeper rings
+timeout 120 python3 benchmarks/nvfp4_wgmma_check.py --skip-check --m 16 64 --configs \
+  '[{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":4,"PREPACKED":true},{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":4,"PREPACKED":true,"TMA_W":true},{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":4,"STAGES":8,"PREPACKED":true,"TMA_W":true},{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":2,"STAGES":8,"PREPACKED":true,"TMA_W":true},{"SWAP":true,"BN":32,"WARPS":4,"SPLIT_K":4,"STAGES":6,"PREPACKED":true,"TMA_W":true},{"SWAP":true,"BN":64,"WARPS":4,"SPLIT_K":4,"STAGES":6,"PREPACKED":true,"TMA_W":true}]' \
+  > $OUT/small.log 2>&1
+if [ $SECONDS -lt 480 ]; then
+  timeout 60 ncu --clock-control none --kernel-name regex:'_swap_kernel' --launch-skip 1 --launch-count 1 \
+    --set full --import-source yes -f -o $OUT/x/tma python3 benchmarks/results/2026-12-07-dw/ncu_target.py "$TMA" > $OUT/x/tma.ncu.log 2>&1
+  ncu -i $OUT/x/tma.ncu-rep --page details > $OUT/ncu_tma.details.txt 2>&1
+  ncu -i $OUT/x/tma.ncu-rep --page source --print-source sass --csv > $OUT/x/tma.source.csv 2>&1
+  tar -C $OUT -czf $OUT/ncu.tar.gz x
+fi
+rm -rf $OUT/x
+echo "# $SECONDS s"; for f in $OUT/*.log; do echo "== $f"; tail -n 4 $f; done
