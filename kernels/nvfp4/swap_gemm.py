@@ -26,7 +26,10 @@ tensor already is the fragment. With PREPACKED the weight comes reordered once b
 8 bytes of a row side by side): two 64-bit loads per thread and step instead of 16 byte loads (8x
 fewer L1 requests), the bytes put back in order in registers. The four block scales of a row and
 step come as one 32-bit word, decoded by `_SCALE_WORD_ASM` (the arithmetic of
-`gemm._SCALE_PAIR_ASM`, twice).
+`gemm._SCALE_PAIR_ASM`, twice). With TMA_W as well, the step's packed bytes [rows, 32] and its
+block scales (reordered step-major once by `prepack_scales`, so a step's [rows, 4] is one TMA box)
+arrive by TMA in the input's ring slot, STAGES steps ahead, and the decode reads them from shared
+memory: no global load left in a step (see Status for why that matters).
 
 Pipeline: the input tile [BN, 64] by TMA into a ring of STAGES slots (mbarrier per slot, rows ≥
 M read as zeros); the packed bytes and scale words two steps ahead in registers; per step: issue
@@ -44,8 +47,9 @@ Status (H200, NOTES.md "2026-12-07, third session"): correct (112 / 112 cases of
 `nvfp4_wgmma_check.py`); at M = 4096 68-71 % of cuBLAS on the learner's shapes (the WS kernel of
 `wgmma_gemm.py` 77-82 %), 76-81 % on vLLM's fused qkv / gate_up with PREPACKED; at 16 rows 30-35 %
 of the HBM bandwidth on the big shapes, slower than the serving table's kernels. ptxas issues the
-loads after the wgmma wait, so the next step's scale decode waits for them (ncu). The learner
-takes it only with `QERL_NVFP4_GEMM=swap`; serving does not route to it.
+loads after the wgmma wait, so the next step's scale decode waits for them (ncu); TMA_W (compiled
+offline, not yet run) removes those loads. The learner takes it only with `QERL_NVFP4_GEMM=swap`;
+serving does not route to it.
 """
 from __future__ import annotations
 
