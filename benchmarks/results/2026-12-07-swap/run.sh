@@ -21,6 +21,11 @@ mkdir -p $OUT/x
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > $OUT/gpu.txt 2>&1
 timeout 300 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$TMA, $TMA128, $TMAW4, $B128, $SWP, $WS]" --m 4096 256 \
   --layer-step --out $OUT/check.json > $OUT/check.log 2>&1
+# issue 4 (vLLM at 256 sequences): the WS kernel with split-K where 256 rows give too few tiles (q/o, qkv,
+# down: 28-36 tiles of 256 x 128); the serving switch QERL_NVFP4_SERVING_WGMMA takes WS only at >= 1 tile per SM
+timeout 90 python3 benchmarks/nvfp4_wgmma_check.py --skip-check --m 128 256 --configs \
+  '[{"WARP_SPECIALIZE":true},{"WARP_SPECIALIZE":true,"SPLIT_K":2},{"WARP_SPECIALIZE":true,"SPLIT_K":4},{"WARP_SPECIALIZE":true,"SPLIT_K":8}]' \
+  > $OUT/ws_split.log 2>&1
 # decode sizes: with TMA_W the weight is STAGES steps ahead, so deeper rings
 timeout 120 python3 benchmarks/nvfp4_wgmma_check.py --skip-check --m 16 64 --configs \
   '[{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":4,"PREPACKED":true},{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":4,"PREPACKED":true,"TMA_W":true},{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":4,"STAGES":8,"PREPACKED":true,"TMA_W":true},{"SWAP":true,"BN":16,"WARPS":4,"SPLIT_K":2,"STAGES":8,"PREPACKED":true,"TMA_W":true},{"SWAP":true,"BN":32,"WARPS":4,"SPLIT_K":4,"STAGES":6,"PREPACKED":true,"TMA_W":true},{"SWAP":true,"BN":64,"WARPS":4,"SPLIT_K":4,"STAGES":6,"PREPACKED":true,"TMA_W":true}]' \
