@@ -28,7 +28,8 @@ The GEMMs go through `_backend(x)`, the one place that picks the implementation:
   takes 28.3 ms against 22.4 ms with dequantize + cuBLAS (NOTES.md, 2026-12-07), so `auto` does
   not take it;
 * on Hopper with `QERL_NVFP4_GEMM=swap`: the forward by `kernels/nvfp4/swap_gemm.py` (the weight
-  as wgmma's register operand), dX by dequantize + cuBLAS (`_Swap`); not yet measured in a step;
+  as wgmma's register operand), dX by dequantize + cuBLAS (`_Swap`); per GEMM slower than
+  dequantize + cuBLAS on the learner's shapes (H200), so opt-in only;
 * otherwise the reference: dequantize to the activation dtype (`dequantize` here: a
   byte-table lookup bit-identical to `reference.dequantize`, i.e. to compressed-tensors'
   decompression for bf16, ~3x faster on CPU) and a dense matmul; Ŵ lives only for the
@@ -139,15 +140,17 @@ class _Wgmma:
 class _Swap:
     """Hopper: the forward by `swap_gemm` (the weight decoded into wgmma's register operand, Ŵ
     never in HBM) wherever its tiles fit, dX by dequantize + cuBLAS (the swap kernel has no dX
-    yet). Not chosen by 'auto': never measured inside a learner step (NOTES.md, 2026-12-07)."""
+    yet). Not chosen by 'auto': on an H200 it runs at 68-71 % of cuBLAS on the learner's shapes,
+    slower than dequantize + cuBLAS (NOTES.md, 2026-12-07, third session)."""
 
     name = "swap"
 
     @staticmethod
     def linear_w4a16(x2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None) -> Tensor:
         from . import swap_gemm
-        if swap_gemm.supports(x2.shape[0], packed.shape[0], x2.shape[1]) and x2.stride(1) == 1 \
-                and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0:
+        if swap_gemm.AVAILABLE and swap_gemm.supports(x2.shape[0], packed.shape[0], x2.shape[1]) \
+                and x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 \
+                and scale.stride(0) % 4 == 0 and scale.data_ptr() % 4 == 0:
             return swap_gemm.linear_swap(x2, packed, scale, gscale, bias)
         w = _DequantCuBLAS.dequantize(packed, scale, gscale, x2.dtype)
         return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
