@@ -482,7 +482,7 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     scale_shape = (k // BK, n, BK // 16) if cfg["TMA_W"] else (n, k // 16)
     if x.dtype != torch.bfloat16 or packed.dtype != torch.uint8 or packed.shape != (n, k // 2) \
             or tuple(scale.shape) != scale_shape or global_scale.numel() not in (1, n) \
-            or (bias is not None and bias.numel() != n) or packed.stride(1) != 1 or scale.stride(1) != 1:
+            or (bias is not None and bias.numel() != n) or packed.stride(1) != 1 or scale.stride(-1) != 1:
         raise ValueError(f"the swap kernel needs x bf16 [M, K], packed uint8 [N, K/2], scale {list(scale_shape)} (unit "
                          f"stride along K), one global scale or N, a bias of N; got x {x.dtype} {tuple(x.shape)}, "
                          f"packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
@@ -498,6 +498,10 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     if scale.stride(0) % 4 or scale.data_ptr() % 4:
         raise ValueError("the swap kernel reads a row's 4 block scales of a step as one 32-bit word: scale rows "
                          "need a stride and an address that are multiples of 4")
+    if cfg["TMA_W"] and (not scale.is_contiguous() or scale.data_ptr() % 16 or packed.stride(0) % 16
+                         or packed.data_ptr() % 16):
+        raise ValueError("the swap kernel's TMA_W loads the weight and scales by TMA: the scales contiguous "
+                         "(`prepack_scales`), both 16-byte aligned")
     g = global_scale.reshape(-1)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     tiles = -(-m // cfg["BN"]) * (n // (16 * cfg["WARPS"]))
