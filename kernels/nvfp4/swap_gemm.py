@@ -22,9 +22,9 @@ a row's 32 packed bytes per 64-deep step: one byte per 32-bit word, a byte's two
 register. So each thread loads its 16 bytes per step one by one (`LDG.U8`, from L1: a quad's four
 lanes read neighbouring bytes), and decodes each with `_DECODE_BYTE_ASM` (5 instructions per 2
 weights); `convert_layout(..., assert_trivial=True)` makes the compiler prove that the decoded
-tensor already is the fragment. With PREPACKED the weight comes reordered once by `prepack` (a lane's
-8 bytes of a row side by side): two 64-bit loads per thread and step instead of 16 byte loads (8x
-fewer L1 requests), the bytes put back in order in registers. The four block scales of a row and
+tensor already is the fragment. With PREPACKED the weight comes reordered once by `prepack` (a
+lane's 8 bytes of a row side by side): two 64-bit loads per thread and step instead of 16 byte
+loads (8x fewer L1 requests), the bytes put back in order in registers. The four block scales of a row and
 step come as one 32-bit word, decoded by `_SCALE_WORD_ASM` (the arithmetic of
 `gemm._SCALE_PAIR_ASM`, twice). With TMA_W as well, the step's packed bytes [rows, 32] and its
 block scales (reordered step-major once by `prepack_scales`, so a step's [rows, 4] is one TMA box)
@@ -34,11 +34,12 @@ memory: no global load left in a step (see Status for why that matters).
 Pipeline: the input tile [BN, 64] by TMA into a ring of STAGES slots (mbarrier per slot, rows ≥
 M read as zeros); the packed bytes and scale words two steps ahead in registers; per step: issue
 step i's wgmma asynchronously, load step i + 2 and decode step i + 1 while it runs, wait for it,
-one CTA barrier, refill its slot; two steps per loop iteration, so that the bytes and A fragments
-alternate between two register sets without copies. One wgmma in flight, not two: a wgmma's A registers may not be
-written until it is retired, and with the next A decoded in a loop the compiler may reuse them (the
-first draft kept two in flight and did; `benchmarks/nvfp4_gemm_ptx.py` now counts such writes,
-`wgmma_a_overwrites`, and a test requires none).
+one CTA barrier, refill its slot; two steps per loop iteration, so that the bytes and A
+fragments alternate between two register sets without copies. One wgmma in flight, not two: a
+wgmma's A registers may not be written until it is retired, and with the next A decoded in a loop
+the compiler may reuse them (the first draft kept two in flight and did;
+`benchmarks/nvfp4_gemm_ptx.py` now counts such writes, `wgmma_a_overwrites`, and a test requires
+none).
 Epilogue: · 2^8 / g per weight row (+ bias), rounded to bf16, transposed through shared memory
 (stmatrix) and stored by TMA; optional split-K as in `wgmma_gemm.py` (fp32 partials in a workspace
 of whole tiles, the last program to arrive sums them in split order).
