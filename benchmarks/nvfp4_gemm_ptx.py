@@ -133,9 +133,9 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         out_layout = gl.NVMMASharedLayout.get_default_for([c["BN"], rows], gl.bfloat16)
         x_desc = f"tensordesc<bf16[{c['BN']}, {swap_gemm.BK}],{swap_gemm._X_SMEM_LAYOUT!r}>"
         tma_w = c["TMA_W"]
-        ptrs = {"x_desc": x_desc,
-                "w_desc": f"tensordesc<u8[{rows}, 32],{swap_gemm._BYTES_SMEM_LAYOUT_2D!r}>" if tma_w else x_desc,
-                "s_desc": f"tensordesc<u8[1, {rows // 4}, 16],{swap_gemm._BYTES_SMEM_LAYOUT_3D!r}>" if tma_w else x_desc,
+        w_desc = f"tensordesc<u8[{rows}, 32],{swap_gemm._BYTES_SMEM_LAYOUT_2D!r}>"
+        s_desc = f"tensordesc<u8[1, {rows // 4}, 16],{swap_gemm._BYTES_SMEM_LAYOUT_3D!r}>"
+        ptrs = {"x_desc": x_desc, "w_desc": w_desc if tma_w else x_desc, "s_desc": s_desc if tma_w else x_desc,
                 "out_desc": f"tensordesc<bf16[{c['BN']}, {rows}],{out_layout!r}>",
                 "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
                 "ws_ptr": "*fp32", "cnt_ptr": "*i32"}

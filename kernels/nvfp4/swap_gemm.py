@@ -479,7 +479,8 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
         raise ValueError(f"the swap kernel needs N % {16 * cfg['WARPS']} == 0 and K % {BK} == 0 "
                          f"(got M={m}, N={n}, K={k})")
     if cfg["TMA_W"] and not cfg["PREPACKED"]:
-        raise ValueError(f"the swap kernel's TMA_W reads the weight in `prepack`'s order: it needs PREPACKED, got {cfg}")
+        raise ValueError(f"the swap kernel's TMA_W reads the weight in `prepack`'s order: it needs PREPACKED, "
+                         f"got {cfg}")
     scale_shape = (k // BK, n, BK // 16) if cfg["TMA_W"] else (n, k // 16)
     if x.dtype != torch.bfloat16 or packed.dtype != torch.uint8 or packed.shape != (n, k // 2) \
             or tuple(scale.shape) != scale_shape or global_scale.numel() not in (1, n) \
