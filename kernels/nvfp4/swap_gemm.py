@@ -354,9 +354,9 @@ if AVAILABLE:
                        ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, b_lay: gl.constexpr,
                        a_op: gl.constexpr):
         """`_swap_step` with the weight and scales in the TMA ring: no global load in the step. Step i's
-        wgmma runs while step i + 1's slot is decoded; then the wait, and slot i takes step i + STAGES."""
+        wgmma runs while step i + 1's slot is decoded; then the wait, and slot i takes step i + STAGES.
+        No wait for slot i here: `_decode_slot` waited for it (every thread) when it decoded step i."""
         slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
         a_next = _decode_slot(w_ring, s_ring, ready, gl.minimum(i + 1, n_k - 1), STAGES, ROWS, b_lay, a_op)
         acc, a, a_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_next))
@@ -489,7 +489,7 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
                          f"stride along K), one global scale or N, a bias of N; got x {x.dtype} {tuple(x.shape)}, "
                          f"packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
                          f"{global_scale.numel()} global scale(s), bias {None if bias is None else bias.numel()}")
-    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2  # input ring + output tile, bf16
+    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 8 * cfg["STAGES"]  # input ring, output, mbarriers
     if cfg["TMA_W"]:
         smem += cfg["STAGES"] * 16 * cfg["WARPS"] * (BK // 2 + BK // 16)  # the weight's bytes and scales
     if smem > 227 * 1024 or cfg["GROUP_M"] < 1:
