@@ -385,27 +385,6 @@ if AVAILABLE:
         split = gl.program_id(1)
         off_m, off_n, k0, n_k = _tile(tile, split, M, N, K, SPLIT_K, BN, ROWS, BK_, GROUP_M)
 
-        # the step's packed bytes [ROWS, 4, 8] and scale words [ROWS] of step 0 (of this split); with
-        # PREPACKED, its 32-bit words in the order they are stored ([ROWS, t, w], see `_bytes`)
-        if PREPACKED:
-            l_lay: gl.constexpr = _prepacked_layout(W)
-            br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, l_lay)))
-            bt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l_lay)))
-            bw = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, l_lay)))
-            b_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32))
-                      + ((off_n + br).to(gl.int64) * (stride_w // 4) + k0 * 8)[:, None, None]
-                      + (bt * 2)[None, :, None] + bw[None, None, :])
-            STEP: gl.constexpr = 8
-        else:
-            br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_lay)))
-            bb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_lay)))
-            bi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_lay)))
-            b_ptrs = (packed_ptr + ((off_n + br).to(gl.int64) * stride_w + k0 * (BK_ // 2))[:, None, None]
-                      + (bb * 8)[None, :, None] + bi[None, None, :])
-            STEP: gl.constexpr = BK_ // 2
-        sr = gl.arange(0, ROWS, layout=r_lay)
-        s_ptrs = scale_ptr.to(gl.pointer_type(gl.int32)) + (off_n + sr).to(gl.int64) * (stride_s // 4) + k0
-
         x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK_], x_desc.layout)
         if TMA_W:  # the weight's bytes and scales of each step in the ring too
             w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, BK_ // 2], w_desc.layout)
@@ -441,6 +420,26 @@ if AVAILABLE:
                 acc, a = _swap_step_tma(n_k - 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k,
                                         k0, off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
         else:
+            # the step's packed bytes [ROWS, 4, 8] and scale words [ROWS] of step 0 (of this split); with
+            # PREPACKED, its 32-bit words in the order they are stored ([ROWS, t, w], see `_bytes`)
+            if PREPACKED:
+                l_lay: gl.constexpr = _prepacked_layout(W)
+                br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, l_lay)))
+                bt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l_lay)))
+                bw = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, l_lay)))
+                b_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32))
+                          + ((off_n + br).to(gl.int64) * (stride_w // 4) + k0 * 8)[:, None, None]
+                          + (bt * 2)[None, :, None] + bw[None, None, :])
+                STEP: gl.constexpr = 8
+            else:
+                br = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_lay)))
+                bb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_lay)))
+                bi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_lay)))
+                b_ptrs = (packed_ptr + ((off_n + br).to(gl.int64) * stride_w + k0 * (BK_ // 2))[:, None, None]
+                          + (bb * 8)[None, :, None] + bi[None, None, :])
+                STEP: gl.constexpr = BK_ // 2
+            sr = gl.arange(0, ROWS, layout=r_lay)
+            s_ptrs = scale_ptr.to(gl.pointer_type(gl.int32)) + (off_n + sr).to(gl.int64) * (stride_s // 4) + k0
             # step 0 decoded, step 1's bytes and scales loaded (the last step reloads itself: unused)
             a = _decode_step(_load_bytes(b_ptrs, PREPACKED), gl.load(s_ptrs), ROWS, PREPACKED, b_lay, a_op)
             nxt = gl.minimum(1, n_k - 1)
