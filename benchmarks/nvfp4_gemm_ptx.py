@@ -242,7 +242,7 @@ def main() -> int:
                          "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K; or DECODE: true "
                          "with RW, KV, MT (8 or 16 input rows), num_warps; or WGMMA: true with wgmma_gemm's config "
                          "keys, WARP_SPECIALIZE: true for its warp-specialized kernel; or SWAP: true with "
-                         "swap_gemm's WARPS, BN, STAGES, GROUP_M); "
+                         "swap_gemm's WARPS, BN, STAGES, GROUP_M, PREPACKED, TMA_W); "
                          "repeat for several")
     ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
     ap.add_argument("--out", type=Path, help="also write each config's TTGIR, PTX and cubin here")

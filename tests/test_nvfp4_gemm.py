@@ -272,7 +272,7 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
 
 def test_swap_prepack_puts_a_lanes_bytes_together_and_the_kernel_restores_the_order():
     """`swap_gemm.prepack` stores byte t + 4j of every row's 32 bytes per step at 8t + j; the kernel
-    loads [rows, t, j] and reorders it (`_load_bytes`: reshape [rows, t, block, bit 2], permute to
+    loads [rows, t, j] and reorders it (`_bytes`: reshape [rows, t, block, bit 2], permute to
     [rows, block, bit 2, t]) back to Ŵ's [rows, block, byte]: the same index arithmetic in torch."""
     from kernels.nvfp4 import swap_gemm
 

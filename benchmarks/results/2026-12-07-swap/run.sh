@@ -9,7 +9,6 @@
 # * two CTAs per SM (a 128-column tile with 3 stages, or 4 warps), so one fills the other's gaps.
 set -u
 export PYTHONUNBUFFERED=1
-D=benchmarks/results/2026-12-07-swap
 TMA='{"SWAP":true,"PREPACKED":true,"TMA_W":true}'
 TMA128='{"SWAP":true,"PREPACKED":true,"TMA_W":true,"BN":128,"STAGES":3}'
 TMAW4='{"SWAP":true,"PREPACKED":true,"TMA_W":true,"WARPS":4,"BN":128}'
