@@ -111,6 +111,16 @@ class _DequantCuBLAS:
         from . import triton_kernels
         return triton_kernels.dequantize(packed, scale, gscale, dtype)
 
+    # the fallbacks of the fused backends below, where their kernels do not fit
+    @staticmethod
+    def linear(x2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor, bias: Tensor | None) -> Tensor:
+        w = _DequantCuBLAS.dequantize(packed, scale, gscale, x2.dtype)
+        return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+
+    @staticmethod
+    def grad_input(dy2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
+        return dy2 @ _DequantCuBLAS.dequantize(packed, scale, gscale, dy2.dtype)
+
 
 class _Wgmma:
     """Hopper: the wgmma kernel of `wgmma_gemm` (decode into shared memory, async wgmma; Ŵ never
@@ -125,8 +135,7 @@ class _Wgmma:
         gemm = _fused()
         if gemm._wgmma_fits(x2, x2.shape[0], packed.shape[0], x2.shape[1], False, gscale.reshape(-1), _Wgmma.MIN_M):
             return gemm.linear_w4a16(x2, packed, scale, gscale, bias, _config=_Wgmma.CONFIG)
-        w = _DequantCuBLAS.dequantize(packed, scale, gscale, x2.dtype)
-        return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+        return _DequantCuBLAS.linear(x2, packed, scale, gscale, bias)
 
     @staticmethod
     def grad_input_w4a16(dy2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
@@ -134,7 +143,7 @@ class _Wgmma:
         if gemm._wgmma_fits(dy2, dy2.shape[0], packed.shape[1] * 2, dy2.shape[1], True, gscale.reshape(-1),
                             _Wgmma.MIN_M):
             return gemm.grad_input_w4a16(dy2, packed, scale, gscale, _config=_Wgmma.CONFIG)
-        return dy2 @ _DequantCuBLAS.dequantize(packed, scale, gscale, dy2.dtype)
+        return _DequantCuBLAS.grad_input(dy2, packed, scale, gscale)
 
 
 class _Swap:
@@ -152,12 +161,11 @@ class _Swap:
                 and x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 \
                 and scale.stride(0) % 4 == 0 and scale.data_ptr() % 4 == 0:
             return swap_gemm.linear_swap(x2, packed, scale, gscale, bias)
-        w = _DequantCuBLAS.dequantize(packed, scale, gscale, x2.dtype)
-        return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+        return _DequantCuBLAS.linear(x2, packed, scale, gscale, bias)
 
     @staticmethod
     def grad_input_w4a16(dy2: Tensor, packed: Tensor, scale: Tensor, gscale: Tensor) -> Tensor:
-        return dy2 @ _DequantCuBLAS.dequantize(packed, scale, gscale, dy2.dtype)
+        return _DequantCuBLAS.grad_input(dy2, packed, scale, gscale)
 
 
 # Whether 'auto' takes `_Wgmma` on Hopper GPUs (else dequant+cuBLAS everywhere on CUDA). Off: on an
