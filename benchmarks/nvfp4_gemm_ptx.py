@@ -128,8 +128,9 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         from kernels.nvfp4 import swap_gemm
         c = swap_gemm.full_config(cfg)
         consts = {"BN": c["BN"], "STAGES": c["STAGES"], "GROUP_M": c["GROUP_M"], "HAS_BIAS": False,
-                  "G_PER_ROW": c.get("G_PER_ROW", False), "PREPACKED": bool(c["PREPACKED"]), "TMA_W": bool(c["TMA_W"])}
-        rows = 16 * c["WARPS"]
+                  "G_PER_ROW": c.get("G_PER_ROW", False), "PREPACKED": bool(c["PREPACKED"]), "TMA_W": bool(c["TMA_W"]),
+                  "PINGPONG": bool(c["PINGPONG"]), "PP_REGS": c["PP_REGS"]}
+        rows = 16 * c["WARPS"] // (2 if c["PINGPONG"] else 1)  # PINGPONG: the boxes are one warp group's rows
         out_layout = gl.NVMMASharedLayout.get_default_for([c["BN"], rows], gl.bfloat16)
         x_desc = f"tensordesc<bf16[{c['BN']}, {swap_gemm.BK}],{swap_gemm._X_SMEM_LAYOUT!r}>"
         tma_w = c["TMA_W"]
@@ -141,7 +142,8 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
                 "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
         div16 = [n for n in ptrs if not n.endswith("_desc")] + ["N", "K", "stride_w", "stride_s"]
         src = _source(GluonASTSource, swap_gemm._swap_kernel, ptrs, consts, div16)
-        return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": c["WARPS"]}),
+        warps = c["WARPS"] // 2 if c["PINGPONG"] else c["WARPS"]  # PINGPONG: the default partition's
+        return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}),
                              out, "_".join(f"{v}" for v in ("swap", *consts.values(), c["WARPS"])))
     if cfg.pop("WGMMA", False):  # the Gluon decode-to-shared-memory + wgmma kernel (wgmma_gemm.py)
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -155,10 +157,11 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         div16 = [*ptrs, "P", "R", "stride_am", "stride_w", "stride_s"]
         options = {"num_warps": c["BM"] // 16}
         if c.get("WARP_SPECIALIZE"):
-            consts.update({k: c[k] for k in ("DECODED", "DECODE_REGS", "DECODE_WARPS")})
+            consts.update({k: c[k] for k in ("DECODED", "DECODE_REGS", "DECODE_WARPS", "PINGPONG", "MMA_REGS")})
             del ptrs["a_ptr"]
-            ptrs["a_desc"] = f"tensordesc<bf16[{c['BM']}, {c['BR']}],{wgmma_gemm._A_SMEM_LAYOUT!r}>"
-            options.update(maxnreg=c["MAXNREG"], num_warps=c["WARPS"])
+            pp = 2 if c["PINGPONG"] else 1  # PINGPONG: each wgmma warp group a partition with half the input rows
+            ptrs["a_desc"] = f"tensordesc<bf16[{c['BM'] // pp}, {c['BR']}],{wgmma_gemm._A_SMEM_LAYOUT!r}>"
+            options.update(maxnreg=c["MAXNREG"], num_warps=c["WARPS"] // pp)
         fn = wgmma_gemm._ws_kernel if c.get("WARP_SPECIALIZE") else wgmma_gemm._wgmma_kernel
         src = _source(GluonASTSource, fn, ptrs, consts, div16)
         return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options),
@@ -242,7 +245,7 @@ def main() -> int:
                          "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K; or DECODE: true "
                          "with RW, KV, MT (8 or 16 input rows), num_warps; or WGMMA: true with wgmma_gemm's config "
                          "keys, WARP_SPECIALIZE: true for its warp-specialized kernel; or SWAP: true with "
-                         "swap_gemm's WARPS, BN, STAGES, GROUP_M, PREPACKED, TMA_W); "
+                         "swap_gemm's WARPS, BN, STAGES, GROUP_M, PREPACKED, TMA_W, PINGPONG, PP_REGS); "
                          "repeat for several")
     ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
     ap.add_argument("--out", type=Path, help="also write each config's TTGIR, PTX and cubin here")

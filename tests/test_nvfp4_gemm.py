@@ -7,6 +7,7 @@ slow. Input checks and the reference functions run in-process.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -220,6 +221,8 @@ def test_wgmma_kernel_overlaps_decode_and_wgmma_without_spills_on_hopper():
 @pytest.mark.parametrize("extra, regs, stores", [
     ({}, {"dec": [24, 184], "inc": [128, 240]}, 8),  # one decode warp group at 128 registers, wgmma warps 184
     ({"DECODE_WARPS": 8, "DECODE_REGS": 88, "MAXNREG": 128}, {"dec": [24, 168], "inc": [88, 232]}, 4),  # two at 88
+    # PINGPONG: each wgmma warp group a partition of its own, the second at MMA_REGS 184
+    ({"PINGPONG": True}, {"dec": [120, 192], "inc": [128, 184, 256]}, 8),
 ])
 def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper(extra, regs, stores):
     """Compiled for sm_90a without a GPU (checked and timed on one by nvfp4_wgmma_check.py): the
@@ -230,7 +233,11 @@ def test_warp_specialized_wgmma_kernel_splits_decode_and_wgmma_on_hopper(extra, 
     for r in reports:
         mem = r["memory_instructions"]
         # 256 × 128 tile: each warp group 2 × (64 × 128 × 16) per k16, 4 k16 per step; step 0 peeled
-        assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] == 16, r
+        # (PINGPONG: the same code once per partition; triton 3.6, the GPU image's, compiles it without
+        # spills, 3.9 spills ~1.2 KB per thread whatever the partitions' registers: not the version timed)
+        spills_ok = 0 if not extra.get("PINGPONG") or importlib.metadata.version("triton").startswith("3.6") else 2048
+        assert r["spill_store_bytes"] <= spills_ok and not r["wgmma_serialized"], r
+        assert r["wgmma"] == (32 if extra.get("PINGPONG") else 16), r
         assert r["setmaxnreg"] == regs, r
         assert r["mbarrier_arrives"] >= 2 and r["tma_loads"] >= 2, r  # hand-overs; the input's first + next steps
         # a 128 × 64 weight tile per step: 8 (4) words per decoding thread, one 16-byte store each
@@ -268,6 +275,11 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
     assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma_a_overwrites"] == 0, r
     assert not any(op.startswith("ld.global") and "cg" not in op and op != "ld.global.b32" for op in mem), r
     assert mem.get("ld.global.b32", 0) <= 2 and mem.get("ld.shared.v2.b32", 0) >= 10 and r["tma_loads"] >= 12, r
+    # PINGPONG: the two warp groups as partitions (one of them a worker at PP_REGS registers), each
+    # with its own 16 wgmma and its slot hand-backs on an mbarrier (no CTA-wide barrier in the loop)
+    r = _ptx_reports({"SWAP": True, "BN": 256, "WARPS": 8, "PREPACKED": True, "TMA_W": True, "PINGPONG": True})[0]
+    assert r["spill_store_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma_a_overwrites"] == 0, r
+    assert r["wgmma"] == 32 and r["setmaxnreg"]["dec"] == [232] and r["mbarrier_arrives"] >= 6, r
 
 
 def test_swap_prepack_puts_a_lanes_bytes_together_and_the_kernel_restores_the_order():

@@ -68,7 +68,11 @@ __all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_sw
 # PREPACKED: the packed weight comes reordered by `prepack` (two 64-bit loads per thread and step
 # instead of 16 byte loads). TMA_W (needs PREPACKED): the packed weight and the block scales
 # (reordered by `prepack_scales`) come through the TMA ring with the input: no global load in a step.
-DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8, "PREPACKED": False, "TMA_W": False}
+# PINGPONG (needs TMA_W, WARPS 8): the two warp groups in partitions of their own (`gl.warp_specialize`),
+# each PP_REGS registers per thread, handing ring slots back by mbarrier instead of a CTA barrier per
+# step, so that one multiplies while the other decodes and waits.
+DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8, "PREPACKED": False, "TMA_W": False,
+                  "PINGPONG": False, "PP_REGS": 232}
 BK = 64  # reduction per step: 32 packed bytes and 4 block scales per weight row
 
 
@@ -263,16 +267,16 @@ if AVAILABLE:
         tma.store_wait(0)
 
     @gluon.jit
-    def _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, split,
-                      ROWS: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+    def _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, tiles,
+                      split, ROWS: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
                       mma: gl.constexpr):
         """The tile's output: the epilogue, or with split-K this split's fp32 partial (a workspace of
         whole tiles in the accumulator's order), and the last split to arrive sums them in split order
-        (deterministic) and runs the epilogue."""
+        (deterministic) and runs the epilogue. `tile` of `tiles`: the output tile (PINGPONG: each warp
+        group's half of one)."""
         if SPLIT_K == 1:
             _epilogue_t(acc, g_ptr, bias_ptr, out_desc, o_smem, off_m, off_n, ROWS, HAS_BIAS, G_PER_ROW, mma)
         else:
-            tiles = gl.num_programs(0)
             rn = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
             rm = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
             offs = rn[:, None] * BN + rm[None, :]
@@ -308,7 +312,7 @@ if AVAILABLE:
         _cta_barrier()  # every warp group's wgmma of step i is done: its input slot is free
         fill = i + STAGES
         if fill < n_k:
-            _fill(slot, fill, x_desc, x_desc, x_desc, x_ring, x_ring, x_ring, ready, off_m, 0, k0, BN, ROWS, False)
+            _fill(slot, fill, x_desc, x_desc, x_desc, x_ring, x_ring, x_ring, ready, off_m, 0, k0, BN, ROWS, 1, False)
         return acc, a_next, b_next, sw_next
 
     @gluon.constexpr_function
@@ -322,49 +326,111 @@ if AVAILABLE:
 
     @gluon.jit
     def _fill(slot, step, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0,
-              BN: gl.constexpr, ROWS: gl.constexpr, TMA_W: gl.constexpr):
+              BN: gl.constexpr, ROWS: gl.constexpr, HALVES: gl.constexpr, TMA_W: gl.constexpr):
         """Start the TMA loads of `step` into ring slot `slot`: the input tile, and with TMA_W the
-        weight's packed bytes [ROWS, 32] and block scales [ROWS, 4] (one mbarrier for all)."""
+        weight's packed bytes [ROWS, 32] and block scales [ROWS, 4] (one mbarrier for all), as HALVES
+        boxes of ROWS / HALVES rows (PINGPONG: one per warp group, w_ring / s_ring index slot·HALVES + h)."""
         BK_: gl.constexpr = 64
+        RH: gl.constexpr = ROWS // HALVES
         if TMA_W:
             mbarrier.expect(ready.index(slot), BN * BK_ * 2 + ROWS * (BK_ // 2 + BK_ // 16))
-            _tma_load(w_desc, [off_n, (k0 + step) * (BK_ // 2)], ready.index(slot), w_ring.index(slot))
-            _tma_load(s_desc, [k0 + step, off_n // 4, 0], ready.index(slot), s_ring.index(slot))
+            for h in gl.static_range(HALVES):
+                _tma_load(w_desc, [off_n + h * RH, (k0 + step) * (BK_ // 2)], ready.index(slot),
+                          w_ring.index(slot * HALVES + h))
+                _tma_load(s_desc, [k0 + step, (off_n + h * RH) // 4, 0], ready.index(slot),
+                          s_ring.index(slot * HALVES + h))
         else:
             mbarrier.expect(ready.index(slot), BN * BK_ * 2)
         _tma_load(x_desc, [off_m, (k0 + step) * BK_], ready.index(slot), x_ring.index(slot))
 
     @gluon.jit
-    def _decode_slot(w_ring, s_ring, ready, step, STAGES: gl.constexpr, ROWS: gl.constexpr, b_lay: gl.constexpr,
-                     a_op: gl.constexpr):
+    def _decode_slot(w_ring, s_ring, ready, step, STAGES: gl.constexpr, HALVES: gl.constexpr, half: gl.constexpr,
+                     ROWS: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
         """TMA_W: wait for `step`'s slot, read its packed words and scale words from shared memory
-        (two 64-bit and two 32-bit loads per thread) and decode them into the A fragment."""
+        (two 64-bit and two 32-bit loads per thread) and decode them into the A fragment. ROWS: this
+        partition's rows (the slot's `half` of HALVES)."""
         W: gl.constexpr = gl.num_warps()
         slot = step % STAGES
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        words = _smem_as(w_ring.index(slot), gl.int32, [ROWS, 8],
+        words = _smem_as(w_ring.index(slot * HALVES + half), gl.int32, [ROWS, 8],
                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
         b = gl.convert_layout(gl.reshape(words.load(_words_layout(W)), [ROWS, 4, 2]), _prepacked_layout(W))
-        sw = _smem_as(s_ring.index(slot), gl.int32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(
+        sw = _smem_as(s_ring.index(slot * HALVES + half), gl.int32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(
             _rows_layout(W))
         return _decode_step(b, sw, ROWS, True, b_lay, a_op)
 
     @gluon.jit
-    def _swap_step_tma(i, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k, k0, off_m, off_n,
-                       ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, b_lay: gl.constexpr,
-                       a_op: gl.constexpr):
+    def _swap_step_tma(i, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0, off_m, off_n,
+                       ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
+                       half: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
         """`_swap_step` with the weight and scales in the TMA ring: no global load in the step. Step i's
         wgmma runs while step i + 1's slot is decoded; then the wait, and slot i takes step i + STAGES.
-        No wait for slot i here: `_decode_slot` waited for it (every thread) when it decoded step i."""
+        No wait for slot i here: `_decode_slot` waited for it (every thread) when it decoded step i.
+        HALVES 2 (PINGPONG): this is one of two warp groups in partitions of their own (ROWS its rows);
+        a CTA barrier would lock them in step, so each releases the slot on `empty` (an mbarrier both
+        arrive on) and half 0 refills the slot of step i - 1 (the other half runs up to a step behind)."""
         slot = i % STAGES
         acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
-        a_next = _decode_slot(w_ring, s_ring, ready, gl.minimum(i + 1, n_k - 1), STAGES, ROWS, b_lay, a_op)
+        a_next = _decode_slot(w_ring, s_ring, ready, gl.minimum(i + 1, n_k - 1), STAGES, HALVES, half, ROWS, b_lay,
+                              a_op)
         acc, a, a_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_next))
-        _cta_barrier()  # every warp group's wgmma of step i is done and its slot read: the slot is free
-        fill = i + STAGES
-        if fill < n_k:
-            _fill(slot, fill, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, ROWS, True)
+        _cta_barrier()  # every warp of this partition: the wgmma of step i is done, its slot read
+        if HALVES == 1:
+            fill = i + STAGES
+            if fill < n_k:
+                _fill(slot, fill, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, ROWS,
+                      1, True)
+        else:
+            mbarrier.arrive(empty.index(slot), count=1)  # one thread of this partition
+            if half == 0:
+                if i > 0:
+                    prev = i - 1
+                    fill = prev + STAGES
+                    if fill < n_k:
+                        mbarrier.wait(empty.index(prev % STAGES), (prev // STAGES) & 1)  # both halves are done
+                        _fill(prev % STAGES, fill, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m,
+                              off_n, k0, BN, ROWS * HALVES, HALVES, True)
         return acc, a_next
+
+    @gluon.jit
+    def _tma_steps(acc, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0, off_m, off_n,
+                   ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
+                   half: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
+        """TMA_W's main loop over n_k steps (step 0 peeled, then two per iteration; see `_swap_kernel`)."""
+        a = _decode_slot(w_ring, s_ring, ready, 0, STAGES, HALVES, half, ROWS, b_lay, a_op)
+        acc, a = _swap_step_tma(0, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0,
+                                off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op)
+        for i in range(1, n_k - 1, 2):
+            acc, a = _swap_step_tma(i, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0,
+                                    off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op)
+            acc, a = _swap_step_tma(i + 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k,
+                                    k0, off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op)
+        if n_k % 2 == 0:  # steps 1 .. n_k - 1 were odd in number: the last one
+            acc, a = _swap_step_tma(n_k - 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty,
+                                    n_k, k0, off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op)
+        return acc
+
+    @gluon.jit
+    def _pingpong_half(x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem, ready, empty, g_ptr,
+                       bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split,
+                       half: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       G_PER_ROW: gl.constexpr):
+        """PINGPONG: one warp group's partition, weight rows off_n + 64·half .. + 63 of the CTA's 128.
+        Half 0 (the default partition) also starts the ring and refills it."""
+        W: gl.constexpr = gl.num_warps()
+        RH: gl.constexpr = 16 * W
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        if half == 0:
+            for j in gl.static_range(STAGES):  # steps 0 .. STAGES - 1
+                if j < n_k:
+                    _fill(j, j, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, 2 * RH,
+                          2, True)
+        acc = gl.zeros([RH, BN], gl.float32, layout=mma)
+        acc = _tma_steps(acc, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0, off_m, off_n,
+                         RH, BN, STAGES, 2, half, _bytes_layout(W), a_op)
+        _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n + half * RH,
+                      2 * tile + half, 2 * gl.num_programs(0), split, RH, BN, HAS_BIAS, G_PER_ROW, mma)
 
     @gluon.jit
     def _swap_kernel(
@@ -372,9 +438,10 @@ if AVAILABLE:
         M, N, K, stride_w, stride_s, SPLIT_K,
         BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
         HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, PREPACKED: gl.constexpr, TMA_W: gl.constexpr,
+        PINGPONG: gl.constexpr = False, PP_REGS: gl.constexpr = 232,
     ):
         W: gl.constexpr = gl.num_warps()
-        ROWS: gl.constexpr = 16 * W
+        ROWS: gl.constexpr = 32 * W if PINGPONG else 16 * W  # the CTA's weight rows
         BK_: gl.constexpr = 64
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -386,6 +453,39 @@ if AVAILABLE:
         off_m, off_n, k0, n_k = _tile(tile, split, M, N, K, SPLIT_K, BN, ROWS, BK_, GROUP_M)
 
         x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK_], x_desc.layout)
+        if PINGPONG:  # two warp groups in partitions of their own (num_warps each), a half of the rows each
+            w_ring = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, ROWS // 2, BK_ // 2], w_desc.layout)
+            s_ring = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 1, ROWS // 8, 16], s_desc.layout)
+            o_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BN, ROWS // 2], out_desc.layout)
+            o_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BN, ROWS // 2], out_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for j in gl.static_range(STAGES):
+                mbarrier.init(ready.index(j), count=1)
+                mbarrier.init(empty.index(j), count=2)  # one arrive per warp group
+            fence_async_shared()  # the initialized barriers are visible to TMA
+            gl.warp_specialize([
+                (_pingpong_half, (x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem0, ready, empty,
+                                  g_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split,
+                                  0, BN, STAGES, HAS_BIAS, G_PER_ROW)),
+                (_pingpong_half, (x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem1, ready, empty,
+                                  g_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split,
+                                  1, BN, STAGES, HAS_BIAS, G_PER_ROW)),
+            ], [W], [PP_REGS])
+        else:
+            _swap_body(x_desc, w_desc, s_desc, out_desc, x_ring, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr,
+                       cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split, stride_w, stride_s, ROWS, BN, STAGES,
+                       HAS_BIAS, G_PER_ROW, PREPACKED, TMA_W, mma, a_op, b_lay, r_lay)
+
+    @gluon.jit
+    def _swap_body(x_desc, w_desc, s_desc, out_desc, x_ring, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                   SPLIT_K, off_m, off_n, k0, n_k, tile, split, stride_w, stride_s, ROWS: gl.constexpr,
+                   BN: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
+                   PREPACKED: gl.constexpr, TMA_W: gl.constexpr, mma: gl.constexpr, a_op: gl.constexpr,
+                   b_lay: gl.constexpr, r_lay: gl.constexpr):
+        """The kernel without PINGPONG: one partition of WARPS / 4 warp groups, a CTA barrier per step."""
+        W: gl.constexpr = gl.num_warps()
+        BK_: gl.constexpr = 64
         if TMA_W:  # the weight's bytes and scales of each step in the ring too
             w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, BK_ // 2], w_desc.layout)
             s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 1, ROWS // 4, 16], s_desc.layout)
@@ -399,7 +499,8 @@ if AVAILABLE:
         fence_async_shared()  # the initialized barriers are visible to TMA
         for j in gl.static_range(STAGES):  # steps 0 .. STAGES - 1
             if j < n_k:
-                _fill(j, j, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, ROWS, TMA_W)
+                _fill(j, j, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, ROWS, 1,
+                      TMA_W)
 
         # step 0 outside the loop: were the accumulator's zeros on a path that skips the loop, ptxas
         # would serialize the wgmma (C7515; see wgmma_gemm._wgmma_kernel). Two steps per iteration:
@@ -408,17 +509,8 @@ if AVAILABLE:
         # wait for its load)
         acc = gl.zeros([ROWS, BN], gl.float32, layout=mma)
         if TMA_W:
-            a = _decode_slot(w_ring, s_ring, ready, 0, STAGES, ROWS, b_lay, a_op)
-            acc, a = _swap_step_tma(0, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k, k0,
-                                    off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
-            for i in range(1, n_k - 1, 2):
-                acc, a = _swap_step_tma(i, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k, k0,
-                                        off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
-                acc, a = _swap_step_tma(i + 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k,
-                                        k0, off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
-            if n_k % 2 == 0:  # steps 1 .. n_k - 1 were odd in number: the last one
-                acc, a = _swap_step_tma(n_k - 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, n_k,
-                                        k0, off_m, off_n, ROWS, BN, STAGES, b_lay, a_op)
+            acc = _tma_steps(acc, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, ready, n_k, k0, off_m, off_n,
+                             ROWS, BN, STAGES, 1, 0, b_lay, a_op)
         else:
             # the step's packed bytes [ROWS, 4, 8] and scale words [ROWS] of step 0 (of this split); with
             # PREPACKED, its 32-bit words in the order they are stored ([ROWS, t, w], see `_bytes`)
@@ -455,8 +547,8 @@ if AVAILABLE:
             if n_k % 2 == 0:
                 acc, a, b, sw = _swap_step(n_k - 1, acc, a, b, sw, x_desc, x_ring, ready, b_ptrs, s_ptrs, n_k, k0,
                                            off_m, ROWS, BN, STAGES, PREPACKED, b_lay, a_op)
-        _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile, split,
-                      ROWS, BN, HAS_BIAS, G_PER_ROW, mma)
+        _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, tile,
+                      gl.num_programs(0), split, ROWS, BN, HAS_BIAS, G_PER_ROW, mma)
 
 
 def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -480,6 +572,9 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     if cfg["TMA_W"] and not cfg["PREPACKED"]:
         raise ValueError(f"the swap kernel's TMA_W reads the weight in `prepack`'s order: it needs PREPACKED, "
                          f"got {cfg}")
+    if cfg["PINGPONG"] and (not cfg["TMA_W"] or cfg["WARPS"] != 8):
+        raise ValueError(f"the swap kernel's PINGPONG runs two warp groups on the TMA ring: it needs TMA_W and "
+                         f"WARPS 8, got {cfg}")
     scale_shape = (k // BK, n, BK // 16) if cfg["TMA_W"] else (n, k // 16)
     if x.dtype != torch.bfloat16 or packed.dtype != torch.uint8 or packed.shape != (n, k // 2) \
             or tuple(scale.shape) != scale_shape or global_scale.numel() not in (1, n) \
@@ -488,7 +583,7 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
                          f"stride along K), one global scale or N, a bias of N; got x {x.dtype} {tuple(x.shape)}, "
                          f"packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
                          f"{global_scale.numel()} global scale(s), bias {None if bias is None else bias.numel()}")
-    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 8 * cfg["STAGES"]  # input ring, output, mbarriers
+    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 16 * cfg["STAGES"]  # input ring, output, mbarriers
     if cfg["TMA_W"]:
         smem += cfg["STAGES"] * 16 * cfg["WARPS"] * (BK // 2 + BK // 16)  # the weight's bytes and scales
     if smem > 227 * 1024 or cfg["GROUP_M"] < 1:
@@ -510,19 +605,23 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     split = -(-steps // -(-steps // max(1, min(cfg["SPLIT_K"], steps))))  # no split without a step
     rows = 16 * cfg["WARPS"]
     ws = torch.empty(split * tiles * rows * cfg["BN"], dtype=torch.float32, device=x.device) if split > 1 else g
+    # PINGPONG: each warp group (a partition of 4 warps) stores, and splits K over, its own half of the rows
+    box = rows // 2 if cfg["PINGPONG"] else rows
     # the input tile [BN, 64] by TMA, rows ≥ M read as 0; the output tile [BN, rows] back by TMA, rows ≥ M not written
     x_desc = TensorDescriptor.from_tensor(x, [cfg["BN"], BK], _X_SMEM_LAYOUT)
-    out_desc = TensorDescriptor.from_tensor(out, [cfg["BN"], rows],
-                                            gl.NVMMASharedLayout.get_default_for([cfg["BN"], rows], gl.bfloat16))
+    out_desc = TensorDescriptor.from_tensor(out, [cfg["BN"], box],
+                                            gl.NVMMASharedLayout.get_default_for([cfg["BN"], box], gl.bfloat16))
     w_desc = s_desc = x_desc  # unused unless TMA_W
     if cfg["TMA_W"]:
-        w_desc = TensorDescriptor.from_tensor(packed, [rows, BK // 2], _BYTES_SMEM_LAYOUT_2D)
-        s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(k // BK, n // 4, 16), [1, rows // 4, 16],
+        w_desc = TensorDescriptor.from_tensor(packed, [box, BK // 2], _BYTES_SMEM_LAYOUT_2D)
+        s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(k // BK, n // 4, 16), [1, box // 4, 16],
                                               _BYTES_SMEM_LAYOUT_3D)
     _swap_kernel[(tiles, split)](
         x_desc, w_desc, s_desc, out_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, ws,
-        _counters(x.device, tiles), m, n, k, packed.stride(0), scale.stride(0), split,
+        _counters(x.device, 2 * tiles if cfg["PINGPONG"] else tiles), m, n, k, packed.stride(0), scale.stride(0), split,
         BN=cfg["BN"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
-        G_PER_ROW=g.numel() > 1, PREPACKED=bool(cfg["PREPACKED"]), TMA_W=bool(cfg["TMA_W"]), num_warps=cfg["WARPS"],
+        G_PER_ROW=g.numel() > 1, PREPACKED=bool(cfg["PREPACKED"]), TMA_W=bool(cfg["TMA_W"]),
+        PINGPONG=bool(cfg["PINGPONG"]), PP_REGS=cfg["PP_REGS"],
+        num_warps=cfg["WARPS"] // 2 if cfg["PINGPONG"] else cfg["WARPS"],
     )
     return out

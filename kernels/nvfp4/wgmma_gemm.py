@@ -79,9 +79,11 @@ DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8, "SP
 # per multiply-add against 128 × 256 (each weight is decoded once per BM input rows): 72-79 % of
 # cuBLAS at M = 4096 on an H100 where 128 × 256 gave 53-61 % (NOTES.md, 2026-12-07). ~194 KB.
 # DECODE_WARPS 8 (two decode warp groups, each thread half the words; with DECODE_REGS 88 and
-# MAXNREG 128, 16 warps in all) compiles without spills but has not run on a GPU yet.
+# MAXNREG 128, 16 warps in all): correct, 2-3 % slower than one on an H200 (NOTES.md, 2026-12-07).
+# PINGPONG: the two wgmma warp groups in partitions of their own (the second at MMA_REGS registers),
+# each with half the input rows and its own input ring, coupled only through the decoded buffers.
 WS_CONFIG = {**DEFAULT_CONFIG, "WARP_SPECIALIZE": True, "BM": 256, "BP": 128, "STAGES": 4, "DECODED": 3,
-             "DECODE_REGS": 128, "MAXNREG": 168, "WARPS": 8, "DECODE_WARPS": 4}
+             "DECODE_REGS": 128, "MAXNREG": 168, "WARPS": 8, "DECODE_WARPS": 4, "PINGPONG": False, "MMA_REGS": 184}
 
 
 def full_config(cfg: dict | None) -> dict:
@@ -408,11 +410,15 @@ if AVAILABLE:
         FORWARD: gl.constexpr, BM: gl.constexpr, BP: gl.constexpr, BR: gl.constexpr,
         STAGES: gl.constexpr, DECODED: gl.constexpr, GROUP_M: gl.constexpr, DECODE_REGS: gl.constexpr,
         HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, DECODE_WARPS: gl.constexpr = 4,
+        PINGPONG: gl.constexpr = False, MMA_REGS: gl.constexpr = 184,
     ):
         """Warp-specialized: one warp group decodes the weight into DECODED bf16 buffers (mbarriers
         `d_ready` / `d_empty`), the kernel's num_warps (two warp groups) load the input by TMA into
         a ring of STAGES (`a_ready`) and only issue wgmma. No step barrier couples the two: the
-        decode runs up to DECODED - 1 steps ahead of the multiply."""
+        decode runs up to DECODED - 1 steps ahead of the multiply. PINGPONG: the two wgmma warp groups
+        in partitions of their own (num_warps = 4 each; the second a worker at MMA_REGS registers), each
+        with its own BM / 2 input rows, input ring and `a_ready`, and each handing the decoded buffer
+        back on `d_empty` (count 2): no barrier couples them, so one issues while the other waits."""
         WR: gl.constexpr = BP if FORWARD else BR
         WC: gl.constexpr = BR if FORWARD else BP
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -420,27 +426,49 @@ if AVAILABLE:
         pid = gl.program_id(0)
         off_m, off_p, k0, n_k = _tile(pid, gl.program_id(1), M, P, R, SPLIT_K, BM, BP, BR, GROUP_M)
 
-        a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BR], a_desc.layout)
+        if PINGPONG:
+            BH: gl.constexpr = BM // 2
+            a_ring0 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BH, BR], a_desc.layout)
+            a_ring1 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BH, BR], a_desc.layout)
+            a_ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            a_ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for j in gl.static_range(STAGES):
+                mbarrier.init(a_ready0.index(j), count=1)
+                mbarrier.init(a_ready1.index(j), count=1)
+        else:
+            a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BR], a_desc.layout)
+            a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for j in gl.static_range(STAGES):
+                mbarrier.init(a_ready.index(j), count=1)
         w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, WR, WC // 8], flat)
         s_ring = gl.allocate_shared_memory(gl.int16, [STAGES, WR, WC // 32], flat)
         d_ring = gl.allocate_shared_memory(gl.bfloat16, [DECODED, WR, WC], d_smem_lay)
-        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         d_ready = gl.allocate_shared_memory(gl.int64, [DECODED, 1], mbarrier.MBarrierLayout())
         d_empty = gl.allocate_shared_memory(gl.int64, [DECODED, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(STAGES):
-            mbarrier.init(a_ready.index(j), count=1)
         for j in gl.static_range(DECODED):
             mbarrier.init(d_ready.index(j), count=1)
-            mbarrier.init(d_empty.index(j), count=1)
+            mbarrier.init(d_empty.index(j), count=2 if PINGPONG else 1)  # PINGPONG: each wgmma warp group
         fence_async_shared()  # the initialized barriers are visible to TMA
 
-        gl.warp_specialize([
-            (_ws_mma, (a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m, off_p, pid,
-                       g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K,
-                       FORWARD, BM, BP, BR, HAS_BIAS, G_PER_ROW)),
-            (_ws_decode, (packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready, d_empty, n_k, k0, off_p,
-                          stride_w, stride_s, FORWARD, BP, BR)),
-        ], [DECODE_WARPS], [DECODE_REGS])
+        if PINGPONG:  # `pid` of `_ws_mma` names the half tile (split-K counters), off_m its first row
+            gl.warp_specialize([
+                (_ws_mma, (a_desc, a_ring0, a_ready0, d_ring, d_ready, d_empty, n_k, k0, off_m, off_p, 2 * pid,
+                           g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K,
+                           FORWARD, BH, BP, BR, HAS_BIAS, G_PER_ROW)),
+                (_ws_mma, (a_desc, a_ring1, a_ready1, d_ring, d_ready, d_empty, n_k, k0, off_m + BH, off_p,
+                           2 * pid + 1, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K,
+                           FORWARD, BH, BP, BR, HAS_BIAS, G_PER_ROW)),
+                (_ws_decode, (packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready, d_empty, n_k, k0, off_p,
+                              stride_w, stride_s, FORWARD, BP, BR)),
+            ], [gl.num_warps(), DECODE_WARPS], [MMA_REGS, DECODE_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_mma, (a_desc, a_ring, a_ready, d_ring, d_ready, d_empty, n_k, k0, off_m, off_p, pid,
+                           g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, P, SPLIT_K,
+                           FORWARD, BM, BP, BR, HAS_BIAS, G_PER_ROW)),
+                (_ws_decode, (packed_ptr, scale_ptr, w_ring, s_ring, d_ring, d_ready, d_empty, n_k, k0, off_p,
+                              stride_w, stride_s, FORWARD, BP, BR)),
+            ], [DECODE_WARPS], [DECODE_REGS])
 
 
 def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -473,13 +501,19 @@ def _launch(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_s
     split = -(-steps // -(-steps // max(1, min(cfg["SPLIT_K"], steps))))  # no split without a step
     ws = torch.empty(split * m * p, dtype=torch.float32, device=a.device) if split > 1 else out
     if cfg.get("WARP_SPECIALIZE"):
-        a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], cfg["BR"]], _A_SMEM_LAYOUT)  # rows ≥ M read as 0
+        pp = bool(cfg["PINGPONG"])
+        if pp and cfg["WARPS"] != 8:
+            raise ValueError(f"the wgmma kernel's PINGPONG runs two wgmma warp groups of 4 warps: it needs WARPS 8, "
+                             f"got {cfg}")
+        # the input tile [BM, BR] by TMA, rows ≥ M read as 0 (PINGPONG: each warp group its own half)
+        a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"] // (2 if pp else 1), cfg["BR"]], _A_SMEM_LAYOUT)
         _ws_kernel[(tiles, split)](
             a_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out, ws,
-            _counters(a.device, tiles), m, p, r, packed.stride(0), scale.stride(0), split,
+            _counters(a.device, 2 * tiles if pp else tiles), m, p, r, packed.stride(0), scale.stride(0), split,
             FORWARD=forward, BM=cfg["BM"], BP=cfg["BP"], BR=cfg["BR"], STAGES=cfg["STAGES"], DECODED=cfg["DECODED"],
             GROUP_M=cfg["GROUP_M"], DECODE_REGS=cfg["DECODE_REGS"], HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1,
-            DECODE_WARPS=cfg["DECODE_WARPS"], num_warps=cfg["WARPS"], maxnreg=cfg["MAXNREG"],
+            DECODE_WARPS=cfg["DECODE_WARPS"], PINGPONG=pp, MMA_REGS=cfg["MMA_REGS"],
+            num_warps=cfg["WARPS"] // 2 if pp else cfg["WARPS"], maxnreg=cfg["MAXNREG"],
         )
         return out
     _wgmma_kernel[(tiles, split)](
