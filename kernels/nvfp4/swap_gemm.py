@@ -583,7 +583,8 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
                          f"stride along K), one global scale or N, a bias of N; got x {x.dtype} {tuple(x.shape)}, "
                          f"packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
                          f"{global_scale.numel()} global scale(s), bias {None if bias is None else bias.numel()}")
-    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 16 * cfg["STAGES"]  # input ring, output, mbarriers
+    # the input ring, the output tile, the mbarriers
+    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 16 * cfg["STAGES"]
     if cfg["TMA_W"]:
         smem += cfg["STAGES"] * 16 * cfg["WARPS"] * (BK // 2 + BK // 16)  # the weight's bytes and scales
     if smem > 227 * 1024 or cfg["GROUP_M"] < 1:
