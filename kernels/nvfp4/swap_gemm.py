@@ -68,9 +68,11 @@ __all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_sw
 # PREPACKED: the packed weight comes reordered by `prepack` (two 64-bit loads per thread and step
 # instead of 16 byte loads). TMA_W (needs PREPACKED): the packed weight and the block scales
 # (reordered by `prepack_scales`) come through the TMA ring with the input: no global load in a step.
-# PINGPONG (needs TMA_W, WARPS 8): the two warp groups in partitions of their own (`gl.warp_specialize`),
-# each PP_REGS registers per thread, handing ring slots back by mbarrier instead of a CTA barrier per
-# step, so that one multiplies while the other decodes and waits.
+# PINGPONG (needs TMA_W, WARPS 8, STAGES >= 3): the two warp groups in partitions of their own
+# (`gl.warp_specialize`; the worker capped at PP_REGS registers per thread, the default partition
+# keeps 256), handing ring slots back by mbarrier instead of a CTA barrier per step, so that one
+# multiplies while the other decodes and waits. Its refill comes a step later than without
+# PINGPONG: STAGES 4 prefetches as deep as STAGES 3 does there.
 DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8, "PREPACKED": False, "TMA_W": False,
                   "PINGPONG": False, "PP_REGS": 232}
 BK = 64  # reduction per step: 32 packed bytes and 4 block scales per weight row
@@ -572,9 +574,10 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     if cfg["TMA_W"] and not cfg["PREPACKED"]:
         raise ValueError(f"the swap kernel's TMA_W reads the weight in `prepack`'s order: it needs PREPACKED, "
                          f"got {cfg}")
-    if cfg["PINGPONG"] and (not cfg["TMA_W"] or cfg["WARPS"] != 8):
-        raise ValueError(f"the swap kernel's PINGPONG runs two warp groups on the TMA ring: it needs TMA_W and "
-                         f"WARPS 8, got {cfg}")
+    if cfg["PINGPONG"] and (not cfg["TMA_W"] or cfg["WARPS"] != 8 or cfg["STAGES"] < 3):
+        # STAGES 2 would hang: both halves wait for step i + 1 before half 0 issues it (at the end of step i)
+        raise ValueError(f"the swap kernel's PINGPONG runs two warp groups on the TMA ring: it needs TMA_W, "
+                         f"WARPS 8 and STAGES >= 3, got {cfg}")
     scale_shape = (k // BK, n, BK // 16) if cfg["TMA_W"] else (n, k // 16)
     if x.dtype != torch.bfloat16 or packed.dtype != torch.uint8 or packed.shape != (n, k // 2) \
             or tuple(scale.shape) != scale_shape or global_scale.numel() not in (1, n) \
@@ -583,8 +586,8 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
                          f"stride along K), one global scale or N, a bias of N; got x {x.dtype} {tuple(x.shape)}, "
                          f"packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
                          f"{global_scale.numel()} global scale(s), bias {None if bias is None else bias.numel()}")
-    # the input ring, the output tile, the mbarriers
-    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 16 * cfg["STAGES"]
+    # the input ring, the output tile, the mbarriers (PINGPONG: `ready` and `empty`)
+    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 8 * cfg["STAGES"] * (2 if cfg["PINGPONG"] else 1)
     if cfg["TMA_W"]:
         smem += cfg["STAGES"] * 16 * cfg["WARPS"] * (BK // 2 + BK // 16)  # the weight's bytes and scales
     if smem > 227 * 1024 or cfg["GROUP_M"] < 1:
