@@ -48,9 +48,11 @@ Status (H200, NOTES.md "2026-12-07, third session"): correct (112 / 112 cases of
 `nvfp4_wgmma_check.py`); at M = 4096 68-71 % of cuBLAS on the learner's shapes (the WS kernel of
 `wgmma_gemm.py` 77-82 %), 76-81 % on vLLM's fused qkv / gate_up with PREPACKED; at 16 rows 30-35 %
 of the HBM bandwidth on the big shapes, slower than the serving table's kernels. ptxas issues the
-loads after the wgmma wait, so the next step's scale decode waits for them (ncu); TMA_W (compiled
-offline, not yet run) removes those loads. The learner takes it only with `QERL_NVFP4_GEMM=swap`;
-serving does not route to it.
+loads after the wgmma wait, so the next step's scale decode waits for them (ncu). TMA_W (H100,
+"fourth session"): correct, no global load left in the step, but no faster (66-71 % of cuBLAS):
+ncu puts half the issue gaps in the CTA barrier that ends each step. PINGPONG removes that
+barrier (two partitions, mbarrier hand-backs); compiled and reviewed, not yet run. The learner
+takes this kernel only with `QERL_NVFP4_GEMM=swap`; serving does not route to it.
 """
 from __future__ import annotations
 
