@@ -447,11 +447,6 @@ if AVAILABLE:
         W: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 32 * W if PINGPONG else 16 * W  # the CTA's weight rows
         BK_: gl.constexpr = 64
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
-        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        b_lay: gl.constexpr = _bytes_layout(W)
-        r_lay: gl.constexpr = _rows_layout(W)
-
         tile = gl.program_id(0)
         split = gl.program_id(1)
         off_m, off_n, k0, n_k = _tile(tile, split, M, N, K, SPLIT_K, BN, ROWS, BK_, GROUP_M)
@@ -479,17 +474,20 @@ if AVAILABLE:
         else:
             _swap_body(x_desc, w_desc, s_desc, out_desc, x_ring, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr,
                        cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split, stride_w, stride_s, ROWS, BN, STAGES,
-                       HAS_BIAS, G_PER_ROW, PREPACKED, TMA_W, mma, a_op, b_lay, r_lay)
+                       HAS_BIAS, G_PER_ROW, PREPACKED, TMA_W)
 
     @gluon.jit
     def _swap_body(x_desc, w_desc, s_desc, out_desc, x_ring, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr, cnt_ptr,
                    SPLIT_K, off_m, off_n, k0, n_k, tile, split, stride_w, stride_s, ROWS: gl.constexpr,
                    BN: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr,
-                   PREPACKED: gl.constexpr, TMA_W: gl.constexpr, mma: gl.constexpr, a_op: gl.constexpr,
-                   b_lay: gl.constexpr, r_lay: gl.constexpr):
+                   PREPACKED: gl.constexpr, TMA_W: gl.constexpr):
         """The kernel without PINGPONG: one partition of WARPS / 4 warp groups, a CTA barrier per step."""
         W: gl.constexpr = gl.num_warps()
         BK_: gl.constexpr = 64
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_lay: gl.constexpr = _bytes_layout(W)
+        r_lay: gl.constexpr = _rows_layout(W)
         if TMA_W:  # the weight's bytes and scales of each step in the ring too
             w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, BK_ // 2], w_desc.layout)
             s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 1, ROWS // 4, 16], s_desc.layout)
@@ -576,7 +574,8 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     if cfg["TMA_W"] and not cfg["PREPACKED"]:
         raise ValueError(f"the swap kernel's TMA_W reads the weight in `prepack`'s order: it needs PREPACKED, "
                          f"got {cfg}")
-    if cfg["PINGPONG"] and (not cfg["TMA_W"] or cfg["WARPS"] != 8 or cfg["STAGES"] < 3):
+    pp = bool(cfg["PINGPONG"])
+    if pp and (not cfg["TMA_W"] or cfg["WARPS"] != 8 or cfg["STAGES"] < 3):
         # STAGES 2 would hang: both halves wait for step i + 1 before half 0 issues it (at the end of step i)
         raise ValueError(f"the swap kernel's PINGPONG runs two warp groups on the TMA ring: it needs TMA_W, "
                          f"WARPS 8 and STAGES >= 3, got {cfg}")
@@ -589,7 +588,7 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
                          f"packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
                          f"{global_scale.numel()} global scale(s), bias {None if bias is None else bias.numel()}")
     # the input ring, the output tile, the mbarriers (PINGPONG: `ready` and `empty`)
-    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 8 * cfg["STAGES"] * (2 if cfg["PINGPONG"] else 1)
+    smem = (cfg["STAGES"] * BK + 16 * cfg["WARPS"]) * cfg["BN"] * 2 + 8 * cfg["STAGES"] * (2 if pp else 1)
     if cfg["TMA_W"]:
         smem += cfg["STAGES"] * 16 * cfg["WARPS"] * (BK // 2 + BK // 16)  # the weight's bytes and scales
     if smem > 227 * 1024 or cfg["GROUP_M"] < 1:
@@ -612,7 +611,7 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
     rows = 16 * cfg["WARPS"]
     ws = torch.empty(split * tiles * rows * cfg["BN"], dtype=torch.float32, device=x.device) if split > 1 else g
     # PINGPONG: each warp group (a partition of 4 warps) stores, and splits K over, its own half of the rows
-    box = rows // 2 if cfg["PINGPONG"] else rows
+    box = rows // 2 if pp else rows
     # the input tile [BN, 64] by TMA, rows ≥ M read as 0; the output tile [BN, rows] back by TMA, rows ≥ M not written
     x_desc = TensorDescriptor.from_tensor(x, [cfg["BN"], BK], _X_SMEM_LAYOUT)
     out_desc = TensorDescriptor.from_tensor(out, [cfg["BN"], box],
@@ -624,10 +623,9 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
                                               _BYTES_SMEM_LAYOUT_3D)
     _swap_kernel[(tiles, split)](
         x_desc, w_desc, s_desc, out_desc, packed, scale.view(torch.uint8), g, bias if bias is not None else g, ws,
-        _counters(x.device, 2 * tiles if cfg["PINGPONG"] else tiles), m, n, k, packed.stride(0), scale.stride(0), split,
+        _counters(x.device, 2 * tiles if pp else tiles), m, n, k, packed.stride(0), scale.stride(0), split,
         BN=cfg["BN"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
         G_PER_ROW=g.numel() > 1, PREPACKED=bool(cfg["PREPACKED"]), TMA_W=bool(cfg["TMA_W"]),
-        PINGPONG=bool(cfg["PINGPONG"]), PP_REGS=cfg["PP_REGS"],
-        num_warps=cfg["WARPS"] // 2 if cfg["PINGPONG"] else cfg["WARPS"],
+        PINGPONG=pp, PP_REGS=cfg["PP_REGS"], num_warps=cfg["WARPS"] // 2 if pp else cfg["WARPS"],
     )
     return out
