@@ -196,6 +196,27 @@ def test_remote_cache_keyed_by_digest(s3_bucket, tmp_path, monkeypatch):
     assert Artifact(f"{s3_bucket}/base").local_dir() == first
 
 
+def test_s3_failures_are_storage_errors_naming_the_object(s3_bucket, tmp_path):
+    """An object gone from under its manifest, a bucket that does not exist, and an S3 error code
+    no branch knows all reach the user as one StorageError line, not a botocore/pyarrow traceback."""
+    from botocore.exceptions import ClientError
+
+    publish_dir(_src(tmp_path, {"a.txt": b"a"}), f"{s3_bucket}/art", stage="test")
+    loc = storage.parse_uri(f"{s3_bucket}/art/a.txt")
+    storage.s3_client().delete_object(Bucket=loc.bucket, Key=loc.path)
+    with pytest.raises(StorageError, match=rf"cannot read {s3_bucket}/art/a\.txt"):
+        Artifact(f"{s3_bucket}/art").read_bytes("a.txt")
+    with pytest.raises(StorageError, match="S3 bucket does not exist"):
+        publish_dir(_src(tmp_path, {"b.txt": b"b"}), "s3://no-such-bucket-here/art", stage="test")
+
+    def slow_down():
+        raise ClientError({"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}}, "PutObject")
+    with pytest.raises(StorageError, match=r"S3 error SlowDown \(put x\): Please reduce your request rate"):
+        storage._s3_call("put x", slow_down)
+    with pytest.raises(ClientError):  # codes the caller handles pass through
+        storage._s3_call("put x", slow_down, expected=("SlowDown",))
+
+
 def test_presigned_url_sigv4(s3_bucket, tmp_path):
     publish_dir(_src(tmp_path, {"p.txt": b"presigned"}), f"{s3_bucket}/art", stage="test")
     url = storage.presigned_url(f"{s3_bucket}/art/p.txt", expires=60)

@@ -136,10 +136,12 @@ def _arrow_s3(endpoint: str | None, key_id: str | None):
     return fs.S3FileSystem(**kw)
 
 
-def _s3_call(what: str, fn, *args, **kwargs):
-    """Run a boto3 call, turning connection and auth failures into one-line StorageErrors."""
-    from botocore.exceptions import (ClientError, EndpointConnectionError, NoCredentialsError,
-                                     ConnectTimeoutError, ReadTimeoutError)
+def _s3_call(what: str, fn, *args, expected: tuple[str, ...] = (), **kwargs):
+    """Run a boto3 call, turning every failure into a one-line StorageError that names the call
+    and S3's error code. ClientErrors whose code is in `expected` (404 on a head, 412 on a
+    conditional put) are re-raised as they are, for the caller to handle."""
+    from botocore.exceptions import (BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError,
+                                     NoCredentialsError, ReadTimeoutError)
     try:
         return fn(*args, **kwargs)
     except NoCredentialsError as e:
@@ -147,27 +149,35 @@ def _s3_call(what: str, fn, *args, **kwargs):
     except (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError) as e:
         raise StorageError(f"cannot reach the S3 endpoint {s3_endpoint() or 'AWS default'} ({what}): {e}") from e
     except ClientError as e:
-        code = e.response.get("Error", {}).get("Code", "")
-        if code in ("NoSuchBucket",):
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        if code in expected:
+            raise
+        if code == "NoSuchBucket":
             raise StorageError(f"S3 bucket does not exist ({what})") from e
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
             raise StorageError(f"S3 refused the credentials ({what}): {code}") from e
-        raise
+        raise StorageError(f"S3 error {code or 'unknown'} ({what}): {err.get('Message') or e}") from e
+    except BotoCoreError as e:
+        raise StorageError(f"S3 client error ({what}): {e}") from e
 
 
 # --------------------------------------------------------------------------- raw object I/O
+
+_MISSING = ("404", "NoSuchKey", "NotFound")
+_PRECONDITION = ("PreconditionFailed", "412", "ConditionalRequestConflict")
+
 
 def _exists(loc: Location) -> bool:
     if loc.scheme == "file":
         return os.path.isfile(loc.path)
     from botocore.exceptions import ClientError
     try:
-        _s3_call(f"head s3://{loc.bucket}/{loc.path}", s3_client().head_object, Bucket=loc.bucket, Key=loc.path)
+        _s3_call(f"head s3://{loc.bucket}/{loc.path}", s3_client().head_object, Bucket=loc.bucket, Key=loc.path,
+                 expected=_MISSING)
         return True
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-            return False
-        raise
+    except ClientError:
+        return False
 
 
 def _read_small(loc: Location) -> bytes:
@@ -182,16 +192,22 @@ def _open_output(loc: Location):
     if loc.scheme == "file":
         os.makedirs(os.path.dirname(loc.path), exist_ok=True)
         return open(loc.path, "wb")
-    return _arrow_s3(s3_endpoint(), os.environ.get("AWS_ACCESS_KEY_ID")).open_output_stream(
-        f"{loc.bucket}/{loc.path}", metadata={})
+    try:
+        return _arrow_s3(s3_endpoint(), os.environ.get("AWS_ACCESS_KEY_ID")).open_output_stream(
+            f"{loc.bucket}/{loc.path}", metadata={})
+    except OSError as e:
+        raise StorageError(f"cannot write {loc.uri}: {e}") from e
 
 
 def _open_input(loc: Location):
     """A streaming reader (ranged GETs on S3)."""
     if loc.scheme == "file":
         return open(loc.path, "rb")
-    return _arrow_s3(s3_endpoint(), os.environ.get("AWS_ACCESS_KEY_ID")).open_input_stream(
-        f"{loc.bucket}/{loc.path}")
+    try:
+        return _arrow_s3(s3_endpoint(), os.environ.get("AWS_ACCESS_KEY_ID")).open_input_stream(
+            f"{loc.bucket}/{loc.path}")
+    except OSError as e:
+        raise StorageError(f"cannot read {loc.uri}: {e}") from e
 
 
 def _list(loc: Location) -> list[tuple[str, int]]:
@@ -215,7 +231,7 @@ def _delete_prefix(loc: Location) -> None:
         return
     names = [n for n, _ in _list(loc)]
     for i in range(0, len(names), 1000):
-        s3_client().delete_objects(Bucket=loc.bucket, Delete={
+        _s3_call(f"delete under {loc.uri}", s3_client().delete_objects, Bucket=loc.bucket, Delete={
             "Objects": [{"Key": f"{loc.path}/{n}"} for n in names[i:i + 1000]]})
 
 
@@ -241,11 +257,9 @@ def _put_manifest(loc: Location, body: bytes, overwrite: bool) -> None:
     kw = {} if overwrite else {"IfNoneMatch": "*"}
     try:
         _s3_call(f"put {target.uri}", s3_client().put_object, Bucket=loc.bucket, Key=target.path,
-                 Body=body, ContentType="application/json", **kw)
+                 Body=body, ContentType="application/json", expected=_PRECONDITION, **kw)
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-            raise ArtifactExists(f"artifact {loc.uri} already exists (pass overwrite to replace it)") from e
-        raise
+        raise ArtifactExists(f"artifact {loc.uri} already exists (pass overwrite to replace it)") from e
 
 
 # --------------------------------------------------------------------------- provenance
@@ -312,7 +326,8 @@ def publish_dir(src_dir: str | os.PathLike, uri: str, *, stage: str, config: dic
         if loc.scheme == "file":
             os.unlink(loc.join(MANIFEST).path)
         else:
-            s3_client().delete_object(Bucket=loc.bucket, Key=loc.join(MANIFEST).path)
+            _s3_call(f"delete {loc.join(MANIFEST).uri}", s3_client().delete_object, Bucket=loc.bucket,
+                     Key=loc.join(MANIFEST).path)
         _delete_prefix(loc)
     elif leftovers := _list(loc):
         # A publish that died midway (no manifest): its objects are nobody's, but a reader of the
