@@ -4,6 +4,7 @@
     python pipeline.py compile [--config run.yaml] --output pipeline.yaml
     python pipeline.py submit  [--config run.yaml] --host URL [--namespace NS] [--token T | --cookie C]
     python pipeline.py rerun   STAGE --run NAME --iteration I [--config run.yaml] [--from-config] [--host URL …]
+    python pipeline.py rerun   eval  --run NAME --iteration I …   (the evaluation of the policy that rolls out I)
 
 The DAG: base_model → quantize (once) and prompts, then per iteration
 [rollout × N shards (dsl.ParallelFor) → fan-in (dsl.Collected) → reward → train], unrolled at
@@ -40,6 +41,7 @@ log = logging.getLogger("qerl.pipeline")
 ROOT = Path(__file__).resolve().parent
 VERSION = "0.1.0"
 STAGE_NAMES = ("base_model", "prompts", "quantize", "rollout", "reward", "train")
+RERUN_TARGETS = STAGE_NAMES + ("eval",)  # eval: an evaluation's rollout and reward, in that order
 GPU_STAGES = ("rollout", "train", "quantize")
 # Where GPU tasks keep compiled kernels when cluster.kernel_cache_pvc is set. A fresh container
 # otherwise JIT-compiles them in every task: the learner's Triton kernels and, with
@@ -507,15 +509,24 @@ def _full_config(stage: str, settings: dict) -> dict:
     return {k: v for k, v in full.items() if k not in TASK_INPUTS}
 
 
-def recorded_stage_config(L: RunLayout, stage: str, iteration: int) -> tuple[str, dict] | None:
-    """(artifact URI, settings) of the newest published artifact of `stage` at `iteration`: the
-    config its manifest recorded, less the task inputs and fields this code no longer knows.
-    None when nothing is published there yet."""
+def _stage_artifact(L: RunLayout, stage: str, iteration: int, evaluation: bool = False) -> str:
+    """The first version's URI of what `stage` publishes at `iteration` (of its evaluation's
+    rollout or reward with `evaluation`)."""
+    if evaluation:
+        return {"rollout": L.eval_rollouts(iteration), "reward": L.eval_rewards(iteration)}[stage]
+    return {"base_model": L.base(), "quantize": L.base_nvfp4(), "prompts": L.prompts(),
+            "rollout": L.rollouts_prefix(iteration), "reward": L.rewards(iteration), "train": L.adapter(iteration)}[stage]
+
+
+def recorded_stage_config(L: RunLayout, stage: str, iteration: int,
+                          evaluation: bool = False) -> tuple[str, dict] | None:
+    """(artifact URI, settings) of the newest published artifact of `stage` at `iteration` (of
+    its evaluation with `evaluation`): the config its manifest recorded, less the task inputs
+    and fields this code no longer knows. None when nothing is published there yet."""
     import dataclasses
 
     from components.common.storage import Artifact, list_artifacts
-    first = {"base_model": L.base(), "quantize": L.base_nvfp4(), "prompts": L.prompts(),
-             "rollout": L.rollouts_prefix(iteration), "reward": L.rewards(iteration), "train": L.adapter(iteration)}[stage]
+    first = _stage_artifact(L, stage, iteration, evaluation)
     if not L.versions(first):
         return None
     uri = L.latest(first)
@@ -539,44 +550,50 @@ def recorded_stage_config(L: RunLayout, stage: str, iteration: int) -> tuple[str
 
 
 def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, given: dict,
-                  from_config: bool) -> dict:
-    """The settings a rerun gives the stage: by default those it recorded when it last ran at
-    this place (so `rerun` repeats the run, whatever --config says today); with from_config,
-    those the run config gives (`given`). Says which, and what differs, in the log."""
+                  from_config: bool, evaluation: bool = False) -> dict:
+    """The settings a rerun gives the stage (the rollout or reward of an evaluation with
+    `evaluation`): by default those it recorded when it last ran at this place (so `rerun`
+    repeats the run, whatever --config says today); with from_config, those the run config
+    gives (`given`). Says which, and what differs, in the log."""
     where = f" at iteration {iteration}" if stage in ("rollout", "reward", "train") else ""
+    if evaluation:
+        stage_name, where = f"eval {stage}", f" of the evaluation at iteration {iteration}"
+    else:
+        stage_name = stage
     if stage == "reward" and cfg.reward_component:  # a custom reward's manifest config is its own business
-        if L.versions(L.rewards(iteration)) and not from_config:
+        first = _stage_artifact(L, stage, iteration, evaluation)
+        if L.versions(first) and not from_config:
             from components.common.storage import Artifact
-            uri = L.latest(L.rewards(iteration))
+            uri = L.latest(first)
             if Artifact(uri).manifest.get("stage") == "reward":
                 raise ConfigError(f"{uri} was scored by the built-in reward, but the run config names reward_component "
                                   f"{cfg.reward_component}: remove reward_component from the run config to repeat "
                                   "the built-in reward, or pass --from-config to score with the custom one")
-        log.info("rerun reward: a custom reward takes its config from the run config")
+        log.info("rerun %s: a custom reward takes its config from the run config", stage_name)
         return given
     try:
-        found = recorded_stage_config(L, stage, iteration)
+        found = recorded_stage_config(L, stage, iteration, evaluation)
     except ConfigError as e:
         if not from_config:
             raise
-        log.info("rerun %s: settings from the run config (%s)", stage, e)
+        log.info("rerun %s: settings from the run config (%s)", stage_name, e)
         return given
     if found is None:
         log.warning("rerun %s: nothing of it is published%s yet; its settings come from the run config "
-                    "(--config, or the embedded defaults without it)", stage, where)
+                    "(--config, or the embedded defaults without it)", stage_name, where)
         return given
     uri, recorded = found
     try:
         old, new = _full_config(stage, recorded), _full_config(stage, given)
     except ConfigError as e:  # one of them does not validate today: the stage will say so if it is used
-        log.warning("rerun %s: cannot compare the recorded settings with the run config's: %s", stage, e)
+        log.warning("rerun %s: cannot compare the recorded settings with the run config's: %s", stage_name, e)
         old, new = recorded, given
     diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if from_config:
         log.info("rerun %s: settings from the run config; they differ from those recorded in %s in: %s",
-                 stage, uri, ", ".join(f"{k} {old.get(k)!r} → {new.get(k)!r}" for k in diff) or "nothing")
+                 stage_name, uri, ", ".join(f"{k} {old.get(k)!r} → {new.get(k)!r}" for k in diff) or "nothing")
         return given
-    log.info("rerun %s: settings recorded in %s%s", stage, uri,
+    log.info("rerun %s: settings recorded in %s%s", stage_name, uri,
              f" (the run config differs in {', '.join(diff)}; --from-config takes those)" if diff else "")
     return recorded
 
@@ -585,11 +602,13 @@ def rerun_inputs(cfg: RunConfig, stage: str, iteration: int, from_config: bool =
     """The inputs of one stage's task(s), read from the newest committed artifacts of the run;
     the output is the next version of the stage's own artifact, so the old one is never
     touched. A rollout rerun reruns every shard of the iteration into one new version. The
-    stage's settings are those it recorded when it last ran there (`_rerun_config`)."""
+    stage's settings are those it recorded when it last ran there (`_rerun_config`).
+    `eval` is two tasks, each naming its `stage`: the evaluation's rollout (greedy answers to the
+    eval split from the policy that rolls out `iteration`) and the reward of what it publishes."""
     if iteration < 0:
         raise ConfigError(f"--iteration must be >= 0, got {iteration}")
-    if stage not in STAGE_NAMES:
-        raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGE_NAMES)}")
+    if stage not in RERUN_TARGETS:
+        raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(RERUN_TARGETS)}")
     L = RunLayout(cfg.root, cfg.run)
     settings = lambda given: _yaml(_rerun_config(cfg, L, stage, iteration, given, from_config))  # noqa: E731
     nxt = lambda uri: uri if not L.versions(uri) else f"{uri}.v{L.next_version(uri)}"  # noqa: E731
@@ -611,6 +630,13 @@ def rerun_inputs(cfg: RunConfig, stage: str, iteration: int, from_config: bool =
     if stage == "reward":
         return [dict(rollouts=L.latest(L.rollouts_prefix(iteration)), output=nxt(L.rewards(iteration)),
                      config=settings(cfg.reward))]
+    if stage == "eval":
+        roll_cfg = _rerun_config(cfg, L, "rollout", iteration, cfg.eval_rollout(iteration), from_config, True)
+        reward_cfg = _rerun_config(cfg, L, "reward", iteration, cfg.reward, from_config, True)
+        rollouts = nxt(L.eval_rollouts(iteration))
+        return [dict(stage="rollout", model=L.latest(L.base_nvfp4()), prompts=L.latest(L.prompts()), output=rollouts,
+                     adapter=prev, shard="0", config=_yaml(roll_cfg)),
+                dict(stage="reward", rollouts=rollouts, output=nxt(L.eval_rewards(iteration)), config=_yaml(reward_cfg))]
     if stage == "train":
         rollouts, rewards = L.latest(L.rollouts_prefix(iteration)), L.latest(L.rewards(iteration))
         # Reward keys (prompt_id, sample_index) repeat across rollout versions: only the order of
@@ -636,7 +662,7 @@ def build_rerun_pipeline(cfg: RunConfig, stage: str, tasks: list[dict]):
     """A one-stage pipeline for a cluster: each input artifact enters through dsl.importer (so
     its lineage is recorded), then the stage's container(s) run on it."""
     ops = Ops(cfg, "cluster")
-    uri_inputs = {k: v for k, v in tasks[0].items() if k not in ("output", "config", "shard") and v}
+    uri_inputs = {k: v for k, v in tasks[0].items() if k not in ("output", "config", "shard", "stage") and v}
 
     @dsl.pipeline(name=f"qerl-{cfg.run}-rerun-{stage.replace('_', '-')}")
     def rerun():
@@ -645,6 +671,11 @@ def build_rerun_pipeline(cfg: RunConfig, stage: str, tasks: list[dict]):
             imp = dsl.importer(artifact_uri=uri, artifact_class=dsl.Artifact, reimport=False)
             imp.set_display_name(f"import {name}")
             imported[name] = artifact_uri(artifact=imp.output).set_caching_options(False).output
+        if stage == "eval":  # the reward reads what the rollout publishes: it waits for it
+            roll_in, reward_in = ({k: v for k, v in t.items() if k != "stage"} for t in tasks)
+            roll = ops("rollout", **{**roll_in, **imported}).set_display_name("rerun eval rollout")
+            ops("reward", **{**reward_in, "rollouts": roll.output}).set_display_name("rerun eval reward")
+            return
         for inputs in tasks:
             ops(stage, **{**inputs, **imported}).set_display_name(f"rerun {stage}")
 
@@ -658,7 +689,12 @@ def cmd_rerun(cfg: RunConfig, args) -> None:
     if not args.host:
         from components.common.twin import run
         for inputs in tasks:
-            run(args.stage, **inputs)
+            stage = inputs.pop("stage", args.stage)
+            if stage == "reward" and cfg.reward_component:  # the user's reward program, as `run` runs it here
+                require(bool(cfg.reward_command), "a custom reward needs reward_command to run locally")
+                custom_reward_twin.python_func(command=cfg.reward_command, **inputs)
+            else:
+                run(stage, **inputs)
         print("\n".join(outputs))
         return
     import tempfile
@@ -827,7 +863,9 @@ def main(argv: list[str] | None = None) -> int:
                         ("rerun", "rerun one stage from a run's committed artifacts (locally, or on a cluster with --host)")):
         sp = sub.add_parser(name, help=help_)
         if name == "rerun":
-            sp.add_argument("stage", choices=STAGE_NAMES)
+            sp.add_argument("stage", choices=RERUN_TARGETS,
+                            help="a stage, or eval: the evaluation (rollout, then reward) of the policy that rolls "
+                                 "out --iteration")
             sp.add_argument("--iteration", type=int, default=0, help="the iteration whose stage to rerun")
             sp.add_argument("--from-config", action="store_true",
                             help="give the stage the settings of --config (or the embedded defaults) instead of "

@@ -362,6 +362,55 @@ def test_rerun_repeats_the_recorded_settings(tmp_path, caplog):
         pipeline.rerun_inputs(cfg, "evaluate", 0)
 
 
+def test_rerun_eval_repeats_the_recorded_evaluation(tmp_path, caplog):
+    """`rerun eval` is the evaluation's rollout (from the policy that rolls out the iteration,
+    with the settings it recorded) and then the reward of exactly what that rollout publishes."""
+    import logging
+
+    from kfp import compiler
+
+    from components.common.storage import StorageError, publish_dir
+
+    caplog.set_level(logging.INFO, logger="qerl.pipeline")
+    L = RunLayout(str(tmp_path), "r")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x").write_text("x")
+    for uri in (L.base_nvfp4(), L.prompts(), L.adapter(0), L.adapter(0, version=2)):
+        publish_dir(src, uri, stage="test", progress=False)
+    evaluated = {"split": "eval", "samples": 1, "temperature": 0.0, "max_tokens": 33, "num_shards": 1, "iteration": 1,
+                 "prompts_per_iteration": 0, "aqn_sigma": 0.0, "adapter": L.adapter(0), "output": L.eval_rollouts(1)}
+    publish_dir(src, L.eval_rollouts(1), stage="rollout", config=evaluated, progress=False)
+    publish_dir(src, L.eval_rewards(1), stage="reward", config={"reward": ["gsm8k:1.0"]}, progress=False)
+    cfg = pipeline.load_run_config(None, root=str(tmp_path), run="r")
+
+    roll, reward = pipeline.rerun_inputs(cfg, "eval", 1)
+    assert (roll["stage"], reward["stage"]) == ("rollout", "reward")
+    assert roll["output"] == L.eval_rollouts(1, 2) and reward["output"] == L.eval_rewards(1, 2)
+    assert reward["rollouts"] == roll["output"]  # scores the new answers, not the old ones
+    assert roll["adapter"] == L.adapter(0, version=2) and roll["shard"] == "0"  # the newest policy of iteration 0
+    assert yaml.safe_load(roll["config"])["max_tokens"] == 33 and yaml.safe_load(reward["config"]) == {
+        "reward": ["gsm8k:1.0"]}
+    assert "rerun eval rollout: settings recorded in " + L.eval_rollouts(1) in caplog.text
+    roll, _ = pipeline.rerun_inputs(cfg, "eval", 1, from_config=True)
+    assert yaml.safe_load(roll["config"]) == cfg.eval_rollout(1)
+    assert "max_tokens 33 → " in caplog.text
+
+    first, _ = pipeline.rerun_inputs(cfg, "eval", 0)  # the base's evaluation: nothing published yet, no adapter
+    assert first["adapter"] == "" and first["output"] == L.eval_rollouts(0)
+    assert "rerun eval rollout: nothing of it is published of the evaluation at iteration 0" in caplog.text
+    with pytest.raises(StorageError, match="nothing published at .*iter-0002/adapter"):
+        pipeline.rerun_inputs(cfg, "eval", 3)  # no policy of iteration 2
+
+    out = tmp_path / "rerun.yaml"
+    compiler.Compiler().compile(pipeline.build_rerun_pipeline(cfg, "eval", pipeline.rerun_inputs(cfg, "eval", 1)),
+                                package_path=str(out))
+    dag = yaml.safe_load_all(out.read_text()).__next__()["root"]["dag"]["tasks"]
+    assert "qerl-rollout" in dag and "qerl-reward" in dag
+    assert dag["qerl-reward"]["inputs"]["parameters"]["rollouts"]["taskOutputParameter"]["producerTask"] == \
+        "qerl-rollout"
+
+
 def test_report_reads_the_newest_version_of_each_artifact(tmp_path):
     from components.common.storage import publish_dir
 
@@ -479,5 +528,16 @@ def test_chained_iteration_with_a_user_reward_component(local_run):
     assert exists(L.adapter(2)) and "| 2 |" in p.stdout and "| 0 |" in p.stdout  # the report spans the whole run
     assert exists(L.eval_rewards(3)) and L.versions(L.eval_rewards(2)) == [1]  # the last run evaluated policy 2
     assert "| 3 |" in p.stdout
+
+    # `rerun eval` redoes the final adapter's evaluation; here its reward is the user's program too
+    p = run_pipeline_cli("rerun", "eval", "--iteration", "3", "--config", str(chained))
+    assert p.stdout.strip().splitlines()[-2:] == [L.eval_rollouts(3, 2), L.eval_rewards(3, 2)]
+    answers = [read_artifact_table(u, "rollouts").sort_by("prompt_id").column("completion_token_ids").to_pylist()
+               for u in (L.eval_rollouts(3), L.eval_rollouts(3, 2))]
+    assert answers[0] == answers[1]  # greedy, same adapter (iteration 2's), same engine settings
+    assert Artifact(L.eval_rewards(3, 2)).manifest["stage"] == "reward:length_reward"
+    scores = [read_artifact_table(u, "rewards").sort_by("prompt_id").column("reward").to_pylist()
+              for u in (L.eval_rewards(3), L.eval_rewards(3, 2))]
+    assert scores[0] == scores[1]
 
 
