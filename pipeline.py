@@ -636,7 +636,8 @@ def rerun_inputs(cfg: RunConfig, stage: str, iteration: int, from_config: bool =
         rollouts = nxt(L.eval_rollouts(iteration))
         return [dict(stage="rollout", model=L.latest(L.base_nvfp4()), prompts=L.latest(L.prompts()), output=rollouts,
                      adapter=prev, shard="0", config=_yaml(roll_cfg)),
-                dict(stage="reward", rollouts=rollouts, output=nxt(L.eval_rewards(iteration)), config=_yaml(reward_cfg))]
+                dict(stage="reward", rollouts=rollouts, output=nxt(L.eval_rewards(iteration)),
+                     config=_yaml(reward_cfg))]
     if stage == "train":
         rollouts, rewards = L.latest(L.rollouts_prefix(iteration)), L.latest(L.rewards(iteration))
         # Reward keys (prompt_id, sample_index) repeat across rollout versions: only the order of
