@@ -207,23 +207,32 @@ def _store_errors() -> tuple:
     return StorageError, OSError, BotoCoreError, ClientError
 
 
-def check_chain(cfg: RunConfig, strict: bool) -> None:
-    """A chained run continues from published artifacts (the first run's NVFP4 base and prompts,
-    init_adapter): refuse now if one is missing. strict: the store must be readable (a local
-    run); otherwise (compiling) an unreadable store is only logged."""
-    if not cfg.start_iteration:
-        return
-    from components.common.storage import exists
+def check_chain(cfg: RunConfig, strict: bool) -> dict[str, str]:
+    """The NVFP4 base and prompts the run's rollouts and training read: those it makes itself,
+    or, for a chained run, the newest published versions of the first run's (a rerun of
+    quantize or prompts publishes a new version; the chained run continues from it, as a
+    stage rerun would). A chained run's inputs (those two and init_adapter) must be
+    published: refuse now if one is missing. strict: the store must be readable (a local
+    run); otherwise (compiling) an unreadable store is only logged and the first versions used."""
     L = RunLayout(cfg.root, cfg.run)
+    first = {"base_nvfp4": L.base_nvfp4(), "prompts": L.prompts()}
+    if not cfg.start_iteration:
+        return first
+    from components.common.storage import exists
     try:
-        missing = [u for u in (L.base_nvfp4(), L.prompts(), cfg.init_adapter) if not exists(u)]
+        missing = [u for u in (*first.values(), cfg.init_adapter) if not exists(u)]
+        if missing:
+            raise ConfigError(f"a chained run continues from {missing[0]}, which is not published")
+        newer = {k: L.latest(u) for k, u in first.items() if L.versions(u)[-1] > 1}
     except _store_errors() as e:
         if strict:
             raise
-        log.warning("cannot check the artifacts this chained run continues from (%s)", e)
-        return
-    if missing:
-        raise ConfigError(f"a chained run continues from {missing[0]}, which is not published")
+        log.warning("cannot check the artifacts this chained run continues from (%s); it reads %s", e,
+                    " and ".join(first.values()))
+        return first
+    for k, uri in newer.items():
+        log.info("the chained run reads the newest version of %s: %s", first[k], uri)
+    return {**first, **newer}
 
 
 def evaluations(cfg: RunConfig) -> list[int]:
@@ -240,7 +249,7 @@ def evaluations(cfg: RunConfig) -> list[int]:
     from components.common.storage import Artifact, parse_uri
     L, first = RunLayout(cfg.root, cfg.run), cfg.start_iteration
     try:
-        prompts = Artifact(L.prompts())
+        prompts = Artifact(L.latest(L.prompts()))  # what check_chain gives the run
         eval_prompts = prompts.read_json("metrics.json").get("eval")
         evaluated = L.versions(L.eval_rewards(first)) and L.versions(L.eval_rollouts(first))
         rollouts = L.latest(L.eval_rollouts(first)) if evaluated else ""
@@ -423,11 +432,16 @@ class Ops:
                 task.set_env_variable(name, value)
 
 
-def build_pipeline(cfg: RunConfig, target: str = "local", evals: list[int] | None = None):
+def build_pipeline(cfg: RunConfig, target: str = "local", evals: list[int] | None = None,
+                   inputs: dict[str, str] | None = None):
     """The pipeline function for `cfg`: target 'local' (kfp.local twins) or 'cluster'; evals:
-    the iterations whose policy it evaluates (default: `evaluations(cfg)`)."""
+    the iterations whose policy it evaluates (default: `evaluations(cfg)`); inputs: the NVFP4
+    base and prompts its rollouts and training read (default: the run's first versions; a
+    chained run takes `check_chain`'s)."""
     ops = Ops(cfg, target)
     layout = RunLayout(cfg.root, cfg.run)
+    inputs = inputs or {"base_nvfp4": layout.base_nvfp4(), "prompts": layout.prompts()}
+    model, prompts_uri = inputs["base_nvfp4"], inputs["prompts"]
     n = cfg.rollout_shards
     evaluated = evaluations(cfg) if evals is None else evals
 
@@ -436,7 +450,7 @@ def build_pipeline(cfg: RunConfig, target: str = "local", evals: list[int] | Non
     def evaluation(i: int, adapter: str, upstream: list) -> None:
         """Greedy answers to the eval split from the policy that rolls out iteration i, and their
         rewards; beside iteration i's rollouts, no training task waits for them."""
-        roll = ops("rollout", model=layout.base_nvfp4(), prompts=layout.prompts(), output=layout.eval_rollouts(i),
+        roll = ops("rollout", model=model, prompts=prompts_uri, output=layout.eval_rollouts(i),
                    adapter=adapter, shard="0", config=_yaml(cfg.eval_rollout(i)))
         if upstream or last_eval:
             roll.after(*upstream, *last_eval)
@@ -463,7 +477,7 @@ def build_pipeline(cfg: RunConfig, target: str = "local", evals: list[int] | Non
             # KFP types every field of a loop item like its first value: keep them all strings.
             shards = [{"output": layout.rollouts(i, s, n), "shard": str(s)} for s in range(n)]
             with dsl.ParallelFor(items=shards, name=f"rollouts-{i:04d}") as item:
-                roll = ops("rollout", model=layout.base_nvfp4(), prompts=layout.prompts(), output=item.output,
+                roll = ops("rollout", model=model, prompts=prompts_uri, output=item.output,
                            adapter=adapter, shard=item.shard, config=_yaml(roll_cfg))
                 if upstream:
                     roll.after(*upstream)
@@ -472,7 +486,7 @@ def build_pipeline(cfg: RunConfig, target: str = "local", evals: list[int] | Non
             fan_in.set_display_name(f"collect rollouts {i}").set_caching_options(False)
             reward = ops("reward", rollouts=fan_in.output, output=layout.rewards(i), config=_yaml(cfg.reward))
             reward.set_display_name(f"reward {i}")
-            train = ops("train", model=layout.base_nvfp4(), rollouts=fan_in.output, rewards=layout.rewards(i),
+            train = ops("train", model=model, rollouts=fan_in.output, rewards=layout.rewards(i),
                         output=layout.adapter(i), adapter=adapter, state=adapter,
                         config=_yaml({**cfg.train, "iteration": i})).after(reward)
             train.set_display_name(f"train {i}")
@@ -804,12 +818,12 @@ def cmd_run(cfg: RunConfig) -> None:
     local.init(runner=local.SubprocessRunner(use_venv=False),
                pipeline_root=str(Path(layout.prefix if "://" not in layout.prefix else ROOT / "runs") / ".kfp"),
                raise_on_error=True)
-    check_chain(cfg, strict=True)
+    inputs = check_chain(cfg, strict=True)
     log.info("running %d iteration(s) of %s locally; artifacts under %s", cfg.iterations, cfg.run, layout.prefix)
     evals = evaluations(cfg)
     log.info("evaluating on the eval split: %s", ", ".join(f"the policy of iteration {i}" for i in evals)
              or "nothing (eval.every is 0, prompts.eval_fraction is 0 or the prompts hold no eval split)")
-    build_pipeline(cfg, "local", evals)()
+    build_pipeline(cfg, "local", evals, inputs)()
     with Staging() as st:
         write_report(cfg, st.path)
         print((st.path / "metrics.md").read_text())
@@ -828,8 +842,8 @@ def cmd_compile(cfg: RunConfig, output: str) -> None:
     from kfp import compiler
 
     _require_shared_root(cfg)
-    check_chain(cfg, strict=False)
-    compiler.Compiler().compile(build_pipeline(cfg, "cluster"), package_path=output)
+    inputs = check_chain(cfg, strict=False)
+    compiler.Compiler().compile(build_pipeline(cfg, "cluster", inputs=inputs), package_path=output)
     log.info("compiled %d iteration(s) of %s to %s", cfg.iterations, cfg.run, output)
 
 

@@ -136,6 +136,40 @@ def test_compiling_a_chained_run_checks_what_it_continues_from(s3_bucket, tmp_pa
         pipeline.cmd_compile(cfg, str(tmp_path / "p.yaml"))
 
 
+def test_a_chained_run_reads_the_newest_base_and_prompts(tmp_path, caplog):
+    """After `rerun quantize` (base-nvfp4.v2) a chained run's rollouts, evaluations and training
+    read the new base, as a stage rerun would; the prompts, never rerun, stay at their first version."""
+    import logging
+
+    from kfp import compiler
+
+    from components.common.storage import publish_dir
+
+    caplog.set_level(logging.INFO, logger="qerl.pipeline")
+    L, src = RunLayout(str(tmp_path), "r"), tmp_path / "src"
+    src.mkdir()
+    (src / "metrics.json").write_text(json.dumps({"train": 9, "eval": 3}))
+    base_v2 = L.base_nvfp4() + ".v2"
+    for uri in (L.base_nvfp4(), base_v2, L.prompts(), L.adapter(1)):
+        publish_dir(src, uri, stage="test", progress=False)
+    cfg = pipeline.load_run_config(None, root=str(tmp_path), run="r", start_iteration=2, iterations=1,
+                                   init_adapter=L.adapter(1))
+    inputs = pipeline.check_chain(cfg, strict=True)
+    assert inputs == {"base_nvfp4": base_v2, "prompts": L.prompts()}
+    assert f"reads the newest version of {L.base_nvfp4()}: {base_v2}" in caplog.text
+    out = tmp_path / "p.yaml"
+    compiler.Compiler().compile(pipeline.build_pipeline(cfg, "cluster", inputs=inputs), package_path=str(out))
+    spec = next(yaml.safe_load_all(out.read_text()))
+    tasks = [t for c in [spec["root"]["dag"]["tasks"], *(c["dag"]["tasks"] for c in spec["components"].values()
+                                                        if "dag" in c)] for t in c.values()]
+    models = {t["taskInfo"]["name"]: t["inputs"]["parameters"]["model"]["runtimeValue"]["constant"]
+              for t in tasks if "model" in t.get("inputs", {}).get("parameters", {})}
+    assert set(models) == {"rollout 2", "train 2", "eval rollout 2", "eval rollout 3"} and set(models.values()) == {base_v2}
+    with pytest.raises(ConfigError, match="continues from .*iter-0009/adapter, which is not published"):
+        pipeline.check_chain(pipeline.load_run_config(None, root=str(tmp_path), run="r", start_iteration=2,
+                                                      init_adapter=L.adapter(9)), strict=True)
+
+
 def test_a_chained_run_evaluates_what_the_run_before_did_not(tmp_path, caplog):
     from components.common.storage import publish_dir
 
