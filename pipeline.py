@@ -569,11 +569,10 @@ def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, give
     `evaluation`): by default those it recorded when it last ran at this place (so `rerun`
     repeats the run, whatever --config says today); with from_config, those the run config
     gives (`given`). Says which, and what differs, in the log."""
-    where = f" at iteration {iteration}" if stage in ("rollout", "reward", "train") else ""
     if evaluation:
         stage_name, where = f"eval {stage}", f" of the evaluation at iteration {iteration}"
     else:
-        stage_name = stage
+        stage_name, where = stage, f" at iteration {iteration}" if stage in ("rollout", "reward", "train") else ""
     if stage == "reward" and cfg.reward_component:  # a custom reward's manifest config is its own business
         first = _stage_artifact(L, stage, iteration, evaluation)
         if L.versions(first) and not from_config:
