@@ -51,8 +51,9 @@ of the HBM bandwidth on the big shapes, slower than the serving table's kernels.
 loads after the wgmma wait, so the next step's scale decode waits for them (ncu). TMA_W (H100,
 "fourth session"): correct, no global load left in the step, but no faster (66-71 % of cuBLAS):
 ncu puts half the issue gaps in the CTA barrier that ends each step. PINGPONG removes that
-barrier (two partitions, mbarrier hand-backs); compiled and reviewed, not yet run. The learner
-takes this kernel only with `QERL_NVFP4_GEMM=swap`; serving does not route to it.
+barrier (two partitions, mbarrier hand-backs): correct on an H100 and 6-8 points faster, 75-81 %
+of cuBLAS on the big shapes ("fifth session"), still below dequantize + cuBLAS at the learner's
+sizes. The learner takes this kernel only with `QERL_NVFP4_GEMM=swap`; serving does not route to it.
 """
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ __all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_sw
 # (`gl.warp_specialize`; the worker capped at PP_REGS registers per thread, the default partition
 # keeps 256), handing ring slots back by mbarrier instead of a CTA barrier per step, so that one
 # multiplies while the other decodes and waits. Its refill comes a step later than without
-# PINGPONG: STAGES 4 prefetches as deep as STAGES 3 does there.
+# PINGPONG: STAGES 4 prefetches as deep as STAGES 3 does there. On an H100, 6-8 points of cuBLAS
+# faster than TMA_W at M = 4096, slower at M = 16 (NOTES.md, 2026-12-07, fifth session).
 DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8, "PREPACKED": False, "TMA_W": False,
                   "PINGPONG": False, "PP_REGS": 232}
 BK = 64  # reduction per step: 32 packed bytes and 4 block scales per weight row

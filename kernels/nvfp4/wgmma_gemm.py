@@ -82,6 +82,7 @@ DEFAULT_CONFIG = {"BM": 128, "BP": 256, "BR": 64, "STAGES": 5, "GROUP_M": 8, "SP
 # MAXNREG 128, 16 warps in all): correct, 2-3 % slower than one on an H200 (NOTES.md, 2026-12-07).
 # PINGPONG: the two wgmma warp groups in partitions of their own (the second at MMA_REGS registers),
 # each with half the input rows and its own input ring, coupled only through the decoded buffers.
+# Correct on an H100, no faster than without (NOTES.md, 2026-12-07, fifth session): off by default.
 WS_CONFIG = {**DEFAULT_CONFIG, "WARP_SPECIALIZE": True, "BM": 256, "BP": 128, "STAGES": 4, "DECODED": 3,
              "DECODE_REGS": 128, "MAXNREG": 168, "WARPS": 8, "DECODE_WARPS": 4, "PINGPONG": False, "MMA_REGS": 184}
 
