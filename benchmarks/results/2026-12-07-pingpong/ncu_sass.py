@@ -1,34 +1,45 @@
-"""Top SASS lines of an ncu report by warp-stall samples, and the stall reasons of the whole kernel:
-`python3 ncu_sass.py REPORT.ncu-rep [N]` (needs ncu on PATH)."""
+"""Top SASS lines of an ncu report by warp-stall samples, and the kernel's stall reasons, from two
+CSV exports of the report (so that the parse can be redone anywhere):
+
+    ncu -i R.ncu-rep --csv --page raw > raw.csv
+    ncu -i R.ncu-rep --csv --page source --print-source sass > sass.csv
+    python3 ncu_sass.py raw.csv sass.csv [N]
+"""
 import csv
-import io
-import subprocess
 import sys
 
-rep, top = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 40
+
+def rows(path):
+    text = open(path, errors="replace").read()
+    return list(csv.reader(text[text.find('"'):].splitlines()))
 
 
-def page(*args):
-    out = subprocess.run(["ncu", "-i", rep, "--csv", *args], capture_output=True, text=True).stdout
-    return list(csv.reader(io.StringIO(out[out.find('"'):])))
+def num(s):
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return 0.0
 
 
-raw = page("--page", "raw")
+raw_path, sass_path = sys.argv[1], sys.argv[2]
+top = int(sys.argv[3]) if len(sys.argv) > 3 else 40
+raw = rows(raw_path)
 head, vals = raw[0], raw[-1]
-stalls = sorted(((float(v.replace(",", "")), h) for h, v in zip(head, vals)
-                 if h.startswith("smsp__pcsamp_warps_issue_stalled_") and not h.endswith("_not_issued")
-                 and v.replace(",", "").replace(".", "").isdigit()), reverse=True)
+prefix = "smsp__pcsamp_warps_issue_stalled_"
+stalls = sorted(((num(v), h[len(prefix):]) for h, v in zip(head, vals)
+                 if h.startswith(prefix) and not h.endswith("_not_issued")), reverse=True)
 total = sum(v for v, _ in stalls) or 1
-print("# stall samples by reason (all SASS)")
+print("# stall samples by reason (whole kernel)")
 for v, h in stalls[:14]:
-    print(f"{100 * v / total:6.1f} %  {h[len('smsp__pcsamp_warps_issue_stalled_'):]}")
-src = page("--page", "source", "--print-source", "sass")
-hdr = next(r for r in src if any("Sampling" in c for c in r))
-rows = src[src.index(hdr) + 1:]
+    print(f"{100 * v / total:6.1f} %  {h}")
+src = rows(sass_path)
+hdr_i = next(i for i, r in enumerate(src) if any("Sampling" in c for c in r))
+hdr, body = src[hdr_i], src[hdr_i + 1:]
 col = next(i for i, c in enumerate(hdr) if "Warp Stall Sampling (All" in c)
-srccol = next(i for i, c in enumerate(hdr) if c.strip().lower() == "source")
-num = lambda r: float(r[col].replace(",", "") or 0) if len(r) > col else 0.0  # noqa: E731
-alls = sum(num(r) for r in rows) or 1
-print(f"# top {top} SASS lines by stall samples (of {len(rows)} lines; column {hdr[col]!r})")
-for i, r in sorted(enumerate(rows), key=lambda t: -num(t[1]))[:top]:
-    print(f"{i:5d} {100 * num(r) / alls:5.1f} %  {r[srccol][:110]}")
+srccol = next((i for i, c in enumerate(hdr) if c.strip().lower() == "source"), 1)
+reasons = [i for i, c in enumerate(hdr) if c.startswith("stall_") or "Stall" in c and i != col]
+val = lambda r, i: num(r[i]) if len(r) > i else 0.0  # noqa: E731
+alls = sum(val(r, col) for r in body) or 1
+print(f"# top {top} SASS lines by stall samples ({len(body)} lines; column {hdr[col]!r}; header: {hdr[:12]})")
+for i, r in sorted(enumerate(body), key=lambda t: -val(t[1], col))[:top]:
+    print(f"{i:5d} {100 * val(r, col) / alls:5.1f} %  {r[srccol][:100]}")
