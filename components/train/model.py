@@ -6,7 +6,8 @@ meta device (no weight memory), then filled from the safetensors shards:
 * every Linear whose checkpoint holds `<name>.weight_packed` becomes a frozen
   `kernels.nvfp4.linear.NVFP4Linear` holding the packed tensors as they are (~0.56 B/param);
 * everything else (embeddings, norms, lm_head or its tie, unquantized Linears listed in the
-  quantization `ignore`) is loaded as is, in the model dtype (bf16);
+  quantization `ignore`) is loaded as is, in the model dtype (`base_dtype`: bf16, or float32
+  on a CPU without native bf16 matmuls);
 * non-persistent buffers (RoPE inverse frequencies) are rebuilt on the target device.
 
 PEFT (`attach_lora`): peft 0.21's `LoraConfig._register_custom_module` maps NVFP4Linear to
@@ -16,7 +17,8 @@ structure PEFT builds for a bf16 Linear: same parameter names, `adapter_config.j
 plain `target_modules`, `adapter_model.safetensors` with keys
 `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`: a standard adapter that
 plain PEFT loads on the bf16 base and vLLM loads through a LoRARequest. LoRA weights stay
-float32 (the optimizer's master weights); the base runs in bf16.
+float32 (the optimizer's master weights); the base runs in bf16 (float32 on CPUs where bf16
+matmuls are emulated, see `base_dtype`).
 
 `logprobs`: the per-token log-probs of given tokens, memory-frugal: the lm_head runs only on
 completion positions, in chunks, each chunk re-computed in backward (never a [B, T, V]
@@ -83,13 +85,38 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
-def load_base(ckpt: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
-    """A frozen transformers causal LM from an NVFP4 (or plain) safetensors checkpoint dir."""
+def cpu_has_native_bf16_matmul() -> bool:
+    """Whether torch multiplies bf16 matrices with oneDNN on this CPU (AVX-512 or AMX on x86,
+    bf16 instructions on Arm) rather than with its scalar fallback."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def base_dtype(device: str | torch.device) -> torch.dtype:
+    """The dtype the frozen base computes in: bf16 on GPUs and on CPUs with native bf16
+    matmuls; float32 on other CPUs, where torch's bf16 matmul is a scalar loop ~100x slower
+    than float32 (AVX2-only x86: 0.5 vs 50 GFLOP/s on one core of an AMD EPYC, torch 2.13), which
+    made one GRPO step on SmolLM2 take minutes instead of seconds."""
+    if torch.device(device).type != "cpu" or cpu_has_native_bf16_matmul():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_base(ckpt: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """A frozen transformers causal LM from an NVFP4 (or plain) safetensors checkpoint dir, in
+    `dtype` (default `base_dtype(device)`)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     ckpt = Path(ckpt)
     device = torch.device(device)
+    if dtype is None:
+        dtype = base_dtype(device)
+        if dtype != torch.bfloat16:
+            log.info("the base computes in %s: this CPU has no native bf16 matmul (torch %s, %s)", dtype,
+                     torch.__version__, torch.backends.cpu.get_cpu_capability())
     config = checkpoint_config(ckpt)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
