@@ -39,15 +39,16 @@ def _quantized(out=48, inn=64, seed=0):
 
 def test_the_base_dtype_follows_the_cpus_bf16_matmul(monkeypatch):
     """bf16 on GPUs and on CPUs whose bf16 matmul is native; float32 where torch would emulate it
-    (a scalar loop, ~100x slower than float32 on AVX2-only CPUs)."""
-    from components.train import model
+    (a scalar loop, ~100x slower than float32 on AVX2-only CPUs). The rollout engine asks the same."""
+    from components.common import compute
+    from components.train.model import base_dtype
 
-    monkeypatch.setattr(model, "cpu_has_native_bf16_matmul", lambda: False)
-    assert model.base_dtype("cpu") == torch.float32 and model.base_dtype("cuda:0") == torch.bfloat16
-    monkeypatch.setattr(model, "cpu_has_native_bf16_matmul", lambda: True)
-    assert model.base_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(compute, "cpu_has_native_bf16_matmul", lambda: False)
+    assert base_dtype("cpu") == torch.float32 and base_dtype("cuda:0") == torch.bfloat16
+    monkeypatch.setattr(compute, "cpu_has_native_bf16_matmul", lambda: True)
+    assert base_dtype("cpu") == torch.bfloat16 and compute.compute_dtype("cpu") == "bfloat16"
     monkeypatch.undo()
-    assert isinstance(model.cpu_has_native_bf16_matmul(), bool)
+    assert isinstance(compute.cpu_has_native_bf16_matmul(), bool)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

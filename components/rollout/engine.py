@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.common.cli import ConfigError
+from components.common.compute import compute_dtype
 
 log = logging.getLogger("qerl.rollout")
 
@@ -190,7 +191,8 @@ class RolloutEngine:
         register()  # also loaded as a vLLM plugin when the project is installed; idempotent
         from vllm import LLM
 
-        kw = dict(model=str(self.model_dir), dtype="bfloat16", seed=cfg.seed, max_model_len=cfg.max_model_len,
+        self.dtype = compute_dtype("cpu" if self.cpu else "cuda")  # float32 on CPUs without native bf16
+        kw = dict(model=str(self.model_dir), dtype=self.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
                   enable_lora=enable_lora, max_num_seqs=cfg.max_num_seqs,
                   enforce_eager=self.cpu if cfg.enforce_eager is None else cfg.enforce_eager,
                   enable_prefix_caching=True,
@@ -211,7 +213,7 @@ class RolloutEngine:
         self.start_seconds = time.time() - t0
         self.enable_lora = enable_lora
         self._lora_ids: dict[str, int] = {}
-        log.info("vLLM engine up in %.1fs (%s)", self.start_seconds, "cpu" if self.cpu else "cuda")
+        log.info("vLLM engine up in %.1fs (%s, %s)", self.start_seconds, "cpu" if self.cpu else "cuda", self.dtype)
 
     def lora_request(self, adapter_dir: Path, digest: str):
         """A LoRARequest with a name, id and path unique to this adapter version."""

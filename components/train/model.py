@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from components.common.cli import ConfigError
+from components.common.compute import compute_dtype
 from kernels.nvfp4.linear import NVFP4Linear
 
 log = logging.getLogger("qerl.train.model")
@@ -85,23 +86,10 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
-def cpu_has_native_bf16_matmul() -> bool:
-    """Whether torch multiplies bf16 matrices with oneDNN on this CPU (AVX-512 or AMX on x86,
-    bf16 instructions on Arm) rather than with its scalar fallback."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def base_dtype(device: str | torch.device) -> torch.dtype:
-    """The dtype the frozen base computes in: bf16 on GPUs and on CPUs with native bf16
-    matmuls; float32 on other CPUs, where torch's bf16 matmul is a scalar loop ~100x slower
-    than float32 (AVX2-only x86: 0.5 vs 50 GFLOP/s on one core of an AMD EPYC, torch 2.13), which
-    made one GRPO step on SmolLM2 take minutes instead of seconds."""
-    if torch.device(device).type != "cpu" or cpu_has_native_bf16_matmul():
-        return torch.bfloat16
-    return torch.float32
+    """The dtype the frozen base computes in: bf16, or float32 on a CPU without native bf16
+    matmuls (`components.common.compute`)."""
+    return getattr(torch, compute_dtype(torch.device(device).type))
 
 
 def load_base(ckpt: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
@@ -112,11 +100,7 @@ def load_base(ckpt: str | Path, device: str | torch.device = "cpu", dtype: torch
 
     ckpt = Path(ckpt)
     device = torch.device(device)
-    if dtype is None:
-        dtype = base_dtype(device)
-        if dtype != torch.bfloat16:
-            log.info("the base computes in %s: this CPU has no native bf16 matmul (torch %s, %s)", dtype,
-                     torch.__version__, torch.backends.cpu.get_cpu_capability())
+    dtype = base_dtype(device) if dtype is None else dtype
     config = checkpoint_config(ckpt)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
