@@ -41,7 +41,8 @@ log = logging.getLogger("qerl.pipeline")
 ROOT = Path(__file__).resolve().parent
 VERSION = "0.1.0"
 STAGE_NAMES = ("base_model", "prompts", "quantize", "rollout", "reward", "train")
-RERUN_TARGETS = STAGE_NAMES + ("eval",)  # eval: an evaluation's rollout and reward, in that order
+# eval: an evaluation's rollout and reward, in that order; eval_reward: its reward alone
+RERUN_TARGETS = STAGE_NAMES + ("eval", "eval_reward")
 GPU_STAGES = ("rollout", "train", "quantize")
 # Where GPU tasks keep compiled kernels when cluster.kernel_cache_pvc is set. A fresh container
 # otherwise JIT-compiles them in every task: the learner's Triton kernels and, with
@@ -224,6 +225,10 @@ def check_chain(cfg: RunConfig, strict: bool) -> dict[str, str]:
         if missing:
             raise ConfigError(f"a chained run continues from {missing[0]}, which is not published")
         newer = {k: L.latest(u) for k, u in first.items() if L.versions(u)[-1] > 1}
+        versions = L.versions(cfg.init_adapter)  # [] when init_adapter names a version itself (adapter.v2)
+        if versions and versions[-1] > 1:
+            log.warning("init_adapter %s is read as given, though a newer version of it is published: %s (name that "
+                        "in init_adapter to continue from it)", cfg.init_adapter, L.latest(cfg.init_adapter))
     except _store_errors() as e:
         if strict:
             raise
@@ -358,6 +363,12 @@ def collect_shards(shards: List[str], expected: int) -> str:
 
 # --------------------------------------------------------------------------- the DAG
 
+def local_reward_command(cfg: RunConfig) -> str:
+    """The command that runs the run's custom reward on this machine (reward_command)."""
+    require(bool(cfg.reward_command), "a custom reward needs reward_command to run locally")
+    return cfg.reward_command
+
+
 class Ops:
     """Makes one task per stage: the local twin, or the stage's container component."""
 
@@ -377,8 +388,7 @@ class Ops:
     def __call__(self, stage: str, **inputs):
         if self.target == "local":
             if stage == "reward" and self.cfg.reward_component:
-                require(bool(self.cfg.reward_command), "a custom reward needs reward_command to run locally")
-                task = custom_reward_twin(command=self.cfg.reward_command, **inputs)
+                task = custom_reward_twin(command=local_reward_command(self.cfg), **inputs)
             else:
                 twin = {"base_model": base_model_twin, "prompts": prompts_twin, "quantize": quantize_twin,
                         "rollout": rollout_twin, "reward": reward_twin, "train": train_twin}[stage]
@@ -570,7 +580,7 @@ def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, give
     repeats the run, whatever --config says today); with from_config, those the run config
     gives (`given`). Says which, and what differs, in the log."""
     if evaluation:
-        stage_name, where = f"eval {stage}", f" of the evaluation at iteration {iteration}"
+        stage_name, where = f"eval {stage}", f" for the evaluation at iteration {iteration}"
     else:
         stage_name, where = stage, f" at iteration {iteration}" if stage in ("rollout", "reward", "train") else ""
     if stage == "reward" and cfg.reward_component:  # a custom reward's manifest config is its own business
@@ -592,7 +602,7 @@ def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, give
         log.info("rerun %s: settings from the run config (%s)", stage_name, e)
         return given
     if found is None:
-        log.warning("rerun %s: nothing of it is published%s yet; its settings come from the run config "
+        log.warning("rerun %s: nothing is published%s yet; its settings come from the run config "
                     "(--config, or the embedded defaults without it)", stage_name, where)
         return given
     uri, recorded = found
@@ -611,13 +621,41 @@ def _rerun_config(cfg: RunConfig, L: RunLayout, stage: str, iteration: int, give
     return recorded
 
 
+def _rolling_policy(cfg: RunConfig, L: RunLayout, iteration: int) -> str:
+    """The adapter that rolls out `iteration` (and that its training starts from; '' is the
+    base): the run config's init_adapter at its start_iteration, the newest version of the
+    adapter of iteration - 1 after it. Before it (a chained run's config given for an iteration
+    of the run it continues): that adapter if this run published it, else the one the
+    iteration's newest rollouts recorded, else the base at iteration 0."""
+    if iteration == cfg.start_iteration:
+        return cfg.init_adapter
+    before = L.adapter(iteration - 1) if iteration > 0 else ""
+    if iteration > cfg.start_iteration or (before and L.versions(before)):
+        return L.latest(before)
+    from components.common.storage import Artifact, list_artifacts
+    for first in (L.rollouts_prefix(iteration), L.eval_rollouts(iteration)):
+        if L.versions(first):
+            uri = L.latest(first)
+            uri = list_artifacts(uri)[0] if first == L.rollouts_prefix(iteration) else uri
+            adapter = Artifact(uri).manifest.get("config", {}).get("adapter") or ""
+            log.info("iteration %d comes before the run config's start_iteration %d: its policy is the one its "
+                     "rollouts %s recorded: %s", iteration, cfg.start_iteration, uri, adapter or "the base")
+            return adapter
+    if iteration == 0:
+        return ""
+    raise ConfigError(f"iteration {iteration} comes before the run config's start_iteration {cfg.start_iteration}, "
+                      f"and neither {before} nor rollouts of iteration {iteration} are published: which policy rolls "
+                      "it out is unknown; pass the config of the run that ran it")
+
+
 def rerun_inputs(cfg: RunConfig, stage: str, iteration: int, from_config: bool = False) -> list[dict]:
     """The inputs of one stage's task(s), read from the newest committed artifacts of the run;
     the output is the next version of the stage's own artifact, so the old one is never
     touched. A rollout rerun reruns every shard of the iteration into one new version. The
     stage's settings are those it recorded when it last ran there (`_rerun_config`).
     `eval` is two tasks, each naming its `stage`: the evaluation's rollout (greedy answers to the
-    eval split from the policy that rolls out `iteration`) and the reward of what it publishes."""
+    eval split from the policy that rolls out `iteration`) and the reward of what it publishes;
+    `eval_reward` the reward alone, of the evaluation's newest rollouts."""
     if iteration < 0:
         raise ConfigError(f"--iteration must be >= 0, got {iteration}")
     if stage not in RERUN_TARGETS:
@@ -625,7 +663,7 @@ def rerun_inputs(cfg: RunConfig, stage: str, iteration: int, from_config: bool =
     L = RunLayout(cfg.root, cfg.run)
     settings = lambda given: _yaml(_rerun_config(cfg, L, stage, iteration, given, from_config))  # noqa: E731
     nxt = lambda uri: uri if not L.versions(uri) else f"{uri}.v{L.next_version(uri)}"  # noqa: E731
-    prev = L.latest(L.adapter(iteration - 1)) if iteration > cfg.start_iteration else cfg.init_adapter
+    prev = _rolling_policy(cfg, L, iteration) if stage in ("rollout", "eval", "train") else ""
     if stage == "base_model":
         return [dict(output=nxt(L.base()), config=settings({"source": cfg.base_model}))]
     if stage == "quantize":
@@ -651,6 +689,10 @@ def rerun_inputs(cfg: RunConfig, stage: str, iteration: int, from_config: bool =
                      adapter=prev, shard="0", config=_yaml(roll_cfg)),
                 dict(stage="reward", rollouts=rollouts, output=nxt(L.eval_rewards(iteration)),
                      config=_yaml(reward_cfg))]
+    if stage == "eval_reward":
+        return [dict(stage="reward", rollouts=L.latest(L.eval_rollouts(iteration)),
+                     output=nxt(L.eval_rewards(iteration)), config=_yaml(
+                         _rerun_config(cfg, L, "reward", iteration, cfg.reward, from_config, True)))]
     if stage == "train":
         rollouts, rewards = L.latest(L.rollouts_prefix(iteration)), L.latest(L.rewards(iteration))
         # Reward keys (prompt_id, sample_index) repeat across rollout versions: only the order of
@@ -691,7 +733,9 @@ def build_rerun_pipeline(cfg: RunConfig, stage: str, tasks: list[dict]):
             ops("reward", **{**reward_in, "rollouts": roll.output}).set_display_name("rerun eval reward")
             return
         for inputs in tasks:
-            ops(stage, **{**inputs, **imported}).set_display_name(f"rerun {stage}")
+            task_stage = inputs.get("stage", stage)
+            ops(task_stage, **{**{k: v for k, v in inputs.items() if k != "stage"}, **imported}).set_display_name(
+                f"rerun {stage.replace('_', ' ')}")
 
     return rerun
 
@@ -702,11 +746,12 @@ def cmd_rerun(cfg: RunConfig, args) -> None:
     log.info("rerun %s of iteration %d → %s", args.stage, args.iteration, ", ".join(outputs))
     if not args.host:
         from components.common.twin import run
-        for inputs in tasks:
-            stage = inputs.pop("stage", args.stage)
+        stages = [t.pop("stage", args.stage) for t in tasks]
+        if "reward" in stages and cfg.reward_component:  # checked before any task runs
+            command = local_reward_command(cfg)
+        for stage, inputs in zip(stages, tasks):
             if stage == "reward" and cfg.reward_component:  # the user's reward program, as `run` runs it here
-                require(bool(cfg.reward_command), "a custom reward needs reward_command to run locally")
-                custom_reward_twin.python_func(command=cfg.reward_command, **inputs)
+                custom_reward_twin.python_func(command=command, **inputs)
             else:
                 run(stage, **inputs)
         print("\n".join(outputs))
@@ -879,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "rerun":
             sp.add_argument("stage", choices=RERUN_TARGETS,
                             help="a stage, or eval: the evaluation (rollout, then reward) of the policy that rolls "
-                                 "out --iteration")
+                                 "out --iteration, or eval_reward: the reward of that evaluation's newest rollouts")
             sp.add_argument("--iteration", type=int, default=0, help="the iteration whose stage to rerun")
             sp.add_argument("--from-config", action="store_true",
                             help="give the stage the settings of --config (or the embedded defaults) instead of "

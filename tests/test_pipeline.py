@@ -360,7 +360,7 @@ def test_rerun_repeats_the_recorded_settings(tmp_path, caplog):
     publish_dir(src, L.base(), stage="base_model", config={"source": "embedded"}, progress=False)
     cfg = pipeline.load_run_config(None, root=str(tmp_path), run="r")  # today's (default) config
     [task] = pipeline.rerun_inputs(cfg, "quantize", 0)  # nothing ran there yet: the run config's
-    assert task["config"] == "" and "nothing of it is published" in caplog.text
+    assert task["config"] == "" and "rerun quantize: nothing is published yet" in caplog.text
     for uri in (L.base_nvfp4(), L.prompts()):
         publish_dir(src, uri, stage="test", progress=False)
 
@@ -432,7 +432,7 @@ def test_rerun_eval_repeats_the_recorded_evaluation(tmp_path, caplog):
 
     first, _ = pipeline.rerun_inputs(cfg, "eval", 0)  # the base's evaluation: nothing published yet, no adapter
     assert first["adapter"] == "" and first["output"] == L.eval_rollouts(0)
-    assert "rerun eval rollout: nothing of it is published of the evaluation at iteration 0" in caplog.text
+    assert "rerun eval rollout: nothing is published for the evaluation at iteration 0 yet" in caplog.text
     with pytest.raises(StorageError, match="nothing published at .*iter-0002/adapter"):
         pipeline.rerun_inputs(cfg, "eval", 3)  # no policy of iteration 2
 
@@ -443,6 +443,62 @@ def test_rerun_eval_repeats_the_recorded_evaluation(tmp_path, caplog):
     assert "qerl-rollout" in dag and "qerl-reward" in dag
     assert dag["qerl-reward"]["inputs"]["parameters"]["rollouts"]["taskOutputParameter"]["producerTask"] == \
         "qerl-rollout"
+
+    publish_dir(src, L.eval_rollouts(1, 2), stage="rollout", config=evaluated, progress=False)
+    [again] = pipeline.rerun_inputs(cfg, "eval_reward", 1)  # the reward alone, of the newest answers
+    assert again["stage"] == "reward" and again["rollouts"] == L.eval_rollouts(1, 2)
+    assert again["output"] == L.eval_rewards(1, 2) and yaml.safe_load(again["config"]) == {"reward": ["gsm8k:1.0"]}
+    with pytest.raises(StorageError, match="nothing published at .*eval/iter-0002/rollouts"):
+        pipeline.rerun_inputs(cfg, "eval_reward", 2)
+    compiler.Compiler().compile(pipeline.build_rerun_pipeline(cfg, "eval_reward", [again]), package_path=str(out))
+    dag = yaml.safe_load_all(out.read_text()).__next__()["root"]["dag"]["tasks"]
+    assert "qerl-reward" in dag and "qerl-rollout" not in dag
+
+
+def test_a_rerun_with_a_chained_config_finds_each_iterations_policy(tmp_path, caplog):
+    """Given a chained run's config (start_iteration 2, init_adapter of iteration 1), a rerun of
+    an earlier iteration of the same run rolls out with that iteration's own policy: the newest
+    adapter of the iteration before, or at the first run's start what its rollouts recorded."""
+    import argparse
+    import logging
+
+    from components.common.storage import StorageError, publish_dir
+
+    caplog.set_level(logging.INFO, logger="qerl.pipeline")
+    L, src = RunLayout(str(tmp_path), "r"), tmp_path / "src"
+    src.mkdir()
+    (src / "x").write_text("x")
+    for uri in (L.base_nvfp4(), L.prompts(), L.adapter(0), L.adapter(0, version=2), L.adapter(1)):
+        publish_dir(src, uri, stage="test", progress=False)
+    publish_dir(src, L.rollouts(0), stage="rollout", config={"adapter": "/elsewhere/warm-start"}, progress=False)
+    publish_dir(src, L.adapter(1, version=2), stage="test", progress=False)
+    chained = pipeline.load_run_config(None, root=str(tmp_path), run="r", start_iteration=2, iterations=1,
+                                       init_adapter=L.adapter(1))
+    policy = {i: pipeline.rerun_inputs(chained, "eval", i)[0]["adapter"] for i in (0, 1, 2)}
+    assert policy == {0: "/elsewhere/warm-start", 1: L.adapter(0, version=2), 2: L.adapter(1)}
+    assert "its policy is the one its rollouts " + L.rollouts(0) in caplog.text
+    assert pipeline.rerun_inputs(chained, "rollout", 1)[0]["adapter"] == L.adapter(0, version=2)
+    with pytest.raises(StorageError, match="nothing published at .*iter-0002/adapter"):
+        pipeline.rerun_inputs(chained, "rollout", 3)
+    assert pipeline.check_chain(chained, strict=True)
+    assert f"init_adapter {L.adapter(1)} is read as given, though a newer version" in caplog.text
+    later = pipeline.load_run_config(None, root=str(tmp_path), run="r", start_iteration=9, init_adapter=L.adapter(1))
+    with pytest.raises(ConfigError, match="iteration 5 comes before .*start_iteration 9.*which policy rolls it out"):
+        pipeline.rerun_inputs(later, "rollout", 5)
+
+    # A custom reward with no local command: refused before the evaluation's rollout runs.
+    custom = pipeline.load_run_config(None, root=str(tmp_path), run="r",
+                                      reward_component=str(ROOT / "examples/length_reward/component.yaml"))
+    ran = []
+    import components.common.twin as twin
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(twin, "run", lambda stage, **inputs: ran.append(stage))
+    try:
+        with pytest.raises(ConfigError, match="a custom reward needs reward_command"):
+            pipeline.cmd_rerun(custom, argparse.Namespace(stage="eval", iteration=1, from_config=True, host=None))
+    finally:
+        monkey.undo()
+    assert ran == []
 
 
 def test_report_reads_the_newest_version_of_each_artifact(tmp_path):

@@ -1,6 +1,7 @@
 """Storage contract, against a real S3 endpoint (moto server) and local paths."""
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -215,6 +216,26 @@ def test_s3_failures_are_storage_errors_naming_the_object(s3_bucket, tmp_path):
         storage._s3_call("put x", slow_down)
     with pytest.raises(ClientError):  # codes the caller handles pass through
         storage._s3_call("put x", slow_down, expected=("SlowDown",))
+
+    from botocore.exceptions import ParamValidationError, ResponseStreamingError
+
+    def broken_body():
+        raise ResponseStreamingError(error="Connection reset by peer")
+    with pytest.raises(StorageError, match=r"S3 client error \(get x\): .*Connection reset by peer"):
+        storage._s3_call("get x", broken_body)
+
+    def bad_call():  # this code's bug, not the store's: its own traceback
+        raise ParamValidationError(report="Missing required parameter Key")
+    with pytest.raises(ParamValidationError):
+        storage._s3_call("get x", bad_call)
+
+    class Broken(io.BytesIO):  # a stream that dies after its first chunk (pyarrow raises OSError)
+        def read(self, n=-1):
+            if self.tell():
+                raise OSError("AWS Error NETWORK_CONNECTION")
+            return super().read(n)
+    with pytest.raises(StorageError, match=r"reading s3://b/a.txt failed after \d+ bytes: AWS Error NETWORK"):
+        storage._verify_stream(Broken(b"x" * (2 * storage.CHUNK)), {"size": 0, "sha256": ""}, "s3://b/a.txt")
 
 
 def test_presigned_url_sigv4(s3_bucket, tmp_path):

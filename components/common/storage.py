@@ -141,9 +141,11 @@ def _s3_call(what: str, fn, *args, expected: tuple[str, ...] = (), **kwargs):
     and S3's error code. ClientErrors whose code is in `expected` (404 on a head, 412 on a
     conditional put) are re-raised as they are, for the caller to handle."""
     from botocore.exceptions import (BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError,
-                                     NoCredentialsError, ReadTimeoutError)
+                                     NoCredentialsError, ParamValidationError, ReadTimeoutError)
     try:
         return fn(*args, **kwargs)
+    except ParamValidationError:  # a bad call is this code's bug, not the store's: keep its traceback
+        raise
     except NoCredentialsError as e:
         raise StorageError("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from e
     except (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError) as e:
@@ -183,8 +185,9 @@ def _exists(loc: Location) -> bool:
 def _read_small(loc: Location) -> bytes:
     if loc.scheme == "file":
         return Path(loc.path).read_bytes()
-    r = _s3_call(f"get s3://{loc.bucket}/{loc.path}", s3_client().get_object, Bucket=loc.bucket, Key=loc.path)
-    return r["Body"].read()
+    what = f"get s3://{loc.bucket}/{loc.path}"
+    r = _s3_call(what, s3_client().get_object, Bucket=loc.bucket, Key=loc.path)
+    return _s3_call(what, r["Body"].read)  # a connection that breaks midway: botocore's ResponseStreamingError
 
 
 def _open_output(loc: Location):
@@ -396,7 +399,13 @@ class Staging:
 
 def _verify_stream(reader, expect: dict, where: str, sink=None) -> None:
     sha, size = hashlib.sha256(), 0
-    while chunk := reader.read(CHUNK):
+    while True:
+        try:
+            chunk = reader.read(CHUNK)
+        except OSError as e:  # pyarrow's S3 stream (or the disk) failed midway
+            raise StorageError(f"reading {where} failed after {size} bytes: {e}") from e
+        if not chunk:
+            break
         sha.update(chunk)
         size += len(chunk)
         if sink is not None:
