@@ -1,8 +1,8 @@
 #!/bin/bash
 # The device calls of 2026-12-07, sixth session, from the project root on one warm machine.
 # STEP=kernels: the serving sweep (decode kernels with RING_S, M = 1, 8, 16) on this card, its
-#   winners merged into a copy of the serving table at /tmp/table.json; then the PINGPONG ncu
-#   source page and register/tile sweep (../2026-12-07-pingpong/run2.sh).
+#   winners merged into a copy of the serving table at /tmp/table.json (~6 min).
+# STEP=ncu: the PINGPONG ncu source page and register/tile sweep (../2026-12-07-pingpong/run2.sh).
 # STEP=rollout (after the vLLM kit's nine chunk calls): BACKENDS (default fused,bf16,dequant) at
 #   1, 16, 64 and 256 sequences with sampled-token logprobs, fused on /tmp/table.json, and where one
 #   decode step's GPU time goes at 1 sequence (--profile 1).
@@ -17,7 +17,9 @@ if [ "$STEP" = kernels ]; then
     --out $OUT/sweep_rs.json --serving-table /tmp/table.json > $OUT/sweep_rs.log 2>&1; echo "sweep rc $?"
   cp /tmp/table.json $OUT/serving_configs.json
   sed -n '/Best correct/,$p' $OUT/sweep_rs.log | cut -c1-160
-  bash benchmarks/results/2026-12-07-pingpong/run2.sh; rm -f $OUT/gpu2.txt  # same card as gpu.txt; 8 files come back
+fi
+if [ "$STEP" = ncu ]; then
+  bash benchmarks/results/2026-12-07-pingpong/run2.sh
 fi
 if [ "$STEP" = rollout ]; then
   source /tmp/vk/c1/setup.sh > /tmp/setup.log 2>&1 || { tail -20 /tmp/setup.log; exit 1; }
