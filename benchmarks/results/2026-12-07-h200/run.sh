@@ -3,8 +3,8 @@
 # STEP=kernels: the serving sweep (decode kernels with RING_S, M = 1, 8, 16) on this card, its
 #   winners merged into a copy of the serving table at /tmp/table.json (~6 min).
 # STEP=ncu: the PINGPONG ncu source page and register/tile sweep (../2026-12-07-pingpong/run2.sh).
-# STEP=rollout (after the vLLM kit's nine chunk calls): BACKENDS (default fused,bf16,dequant) at
-#   1, 16, 64 and 256 sequences with sampled-token logprobs, fused on /tmp/table.json, and where one
+# STEP=rollout (after the vLLM kit's nine chunk calls): BACKENDS (default fused,bf16,dequant) at CONC (default
+#   1,16,64,256) sequences with sampled-token logprobs, fused on /tmp/table.json, and where one
 #   decode step's GPU time goes at 1 sequence (--profile 1).
 set -u
 export PYTHONUNBUFFERED=1
@@ -27,7 +27,7 @@ if [ "$STEP" = rollout ]; then
   [ -f /tmp/table.json ] && export QERL_NVFP4_SERVING_CONFIGS=/tmp/table.json
   nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > $OUT/gpu_rollout.txt; cat $OUT/gpu_rollout.txt
   echo "serving table: ${QERL_NVFP4_SERVING_CONFIGS:-committed}"
-  python3 benchmarks/rollout.py --backends ${BACKENDS:-fused,bf16,dequant} --concurrency 1,16,64,256 --budget-s 150 \
+  python3 benchmarks/rollout.py --backends ${BACKENDS:-fused,bf16,dequant} --concurrency ${CONC:-1,16,64,256} --budget-s 150 \
     --profile 1 --out /tmp/rb --write-table 2>&1 | grep -v -E "INFO|it/s\]" > $OUT/rollout.log
   grep -E "tok/s|\||c=|rror|profile" $OUT/rollout.log | tail -40
   cp /tmp/rb/results-*.json components/rollout/backend_throughput.json $OUT/ 2>/dev/null
