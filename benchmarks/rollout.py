@@ -159,7 +159,8 @@ def worker(args) -> dict:
 
 # kernel-name fragments → what the time is spent on (first match wins)
 KERNEL_KINDS = (("lora", ("_lora_shrink", "_lora_expand")),
-                ("nvfp4 gemm", ("marlin", "humming", "w4a16", "dequant")),
+                ("nvfp4 gemm", ("marlin", "humming", "w4a16", "dequant", "_decode_kernel", "_swap_kernel",
+                                "_wgmma_kernel", "_ws_kernel")),  # the last four: fused's (kernels/nvfp4/)
                 ("attention", ("flash", "fmha", "attn", "attention", "paged", "reshape_and_cache")),
                 ("bf16 gemm", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "cublas", "splitk")),
                 ("memset/copy", ("memset", "memcpy", "copy", "fill")))
