@@ -542,6 +542,19 @@ def _stage_artifact(L: RunLayout, stage: str, iteration: int, evaluation: bool =
             "rollout": L.rollouts_prefix(iteration), "reward": L.rewards(iteration), "train": L.adapter(iteration)}[stage]
 
 
+def _newest_manifest(L: RunLayout, stage: str, iteration: int, evaluation: bool = False) -> tuple[str, dict] | None:
+    """(URI, manifest) of the newest published artifact of `stage` at `iteration` (a rollout's
+    first shard: every shard of a version ran with the same settings but its index), or None."""
+    from components.common.storage import Artifact, list_artifacts
+    first = _stage_artifact(L, stage, iteration, evaluation)
+    if not L.versions(first):
+        return None
+    uri = L.latest(first)
+    if stage == "rollout":
+        uri = list_artifacts(uri)[0]
+    return uri, Artifact(uri).manifest
+
+
 def recorded_stage_config(L: RunLayout, stage: str, iteration: int,
                           evaluation: bool = False) -> tuple[str, dict] | None:
     """(artifact URI, settings) of the newest published artifact of `stage` at `iteration` (of
@@ -549,14 +562,10 @@ def recorded_stage_config(L: RunLayout, stage: str, iteration: int,
     and fields this code no longer knows. None when nothing is published there yet."""
     import dataclasses
 
-    from components.common.storage import Artifact, list_artifacts
-    first = _stage_artifact(L, stage, iteration, evaluation)
-    if not L.versions(first):
+    found = _newest_manifest(L, stage, iteration, evaluation)
+    if found is None:
         return None
-    uri = L.latest(first)
-    if stage == "rollout":  # every shard of a version ran with the same settings but its index
-        uri = list_artifacts(uri)[0]
-    manifest = Artifact(uri).manifest
+    uri, manifest = found
     if manifest.get("stage") != stage:
         custom = str(manifest.get("stage", "")).startswith("reward:")
         raise ConfigError(f"{uri} was published by {'a custom reward' if custom else 'another stage'} "
@@ -632,12 +641,10 @@ def _rolling_policy(cfg: RunConfig, L: RunLayout, iteration: int) -> str:
     before = L.adapter(iteration - 1) if iteration > 0 else ""
     if iteration > cfg.start_iteration or (before and L.versions(before)):
         return L.latest(before)
-    from components.common.storage import Artifact, list_artifacts
-    for first in (L.rollouts_prefix(iteration), L.eval_rollouts(iteration)):
-        if L.versions(first):
-            uri = L.latest(first)
-            uri = list_artifacts(uri)[0] if first == L.rollouts_prefix(iteration) else uri
-            adapter = Artifact(uri).manifest.get("config", {}).get("adapter") or ""
+    for evaluation in (False, True):
+        found = _newest_manifest(L, "rollout", iteration, evaluation)
+        if found:
+            uri, adapter = found[0], found[1].get("config", {}).get("adapter") or ""
             log.info("iteration %d comes before the run config's start_iteration %d: its policy is the one its "
                      "rollouts %s recorded: %s", iteration, cfg.start_iteration, uri, adapter or "the base")
             return adapter
