@@ -37,7 +37,6 @@ hdr_i = next(i for i, r in enumerate(src) if any("Sampling" in c for c in r))
 hdr, body = src[hdr_i], src[hdr_i + 1:]
 col = next(i for i, c in enumerate(hdr) if "Warp Stall Sampling (All" in c)
 srccol = next((i for i, c in enumerate(hdr) if c.strip().lower() == "source"), 1)
-reasons = [i for i, c in enumerate(hdr) if c.startswith("stall_") or "Stall" in c and i != col]
 val = lambda r, i: num(r[i]) if len(r) > i else 0.0  # noqa: E731
 alls = sum(val(r, col) for r in body) or 1
 print(f"# top {top} SASS lines by stall samples ({len(body)} lines; column {hdr[col]!r}; header: {hdr[:12]})")
