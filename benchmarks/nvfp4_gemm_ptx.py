@@ -4,6 +4,7 @@
     python benchmarks/nvfp4_gemm_ptx.py --dx --config '...' --out /tmp/k    # also keep TTGIR / PTX
     python benchmarks/nvfp4_gemm_ptx.py --config '{"GEMV":true,"BLOCK_N":64,"BLOCK_K":128,"num_warps":8}'
     python benchmarks/nvfp4_gemm_ptx.py --config '{"DECODE":true,"RW":1,"KV":1,"MT":8,"num_warps":4}'  # Gluon
+    python benchmarks/nvfp4_gemm_ptx.py --config '{"DECODE":true,"RW":1,"KV":1,"num_warps":4,"LORA":true,"LORA_R":32}'
     python benchmarks/nvfp4_gemm_ptx.py --config '{"WGMMA":true,"WARP_SPECIALIZE":true}'  # Gluon, wgmma_gemm.py
     python benchmarks/nvfp4_gemm_ptx.py --config '{"SWAP":true,"BN":16,"WARPS":4}'  # Gluon, swap_gemm.py (forward)
 
@@ -113,9 +114,13 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         fn = decode_gemm._decode_kernel
         consts = {"RW": cfg["RW"], "KV": cfg["KV"], "MT": cfg.get("MT", 8), "HAS_BIAS": False,
                   "G_PER_ROW": cfg.get("G_PER_ROW", False), "STAGES": cfg.get("STAGES", 0),
-                  "RING_S": cfg.get("RING_S", False)}
+                  "RING_S": cfg.get("RING_S", False), "LORA": cfg.get("LORA", False),
+                  "LORA_R": cfg.get("LORA_R", 16), "N_LORAS": cfg.get("N_LORAS", 1),
+                  "LORA_SHRINK": cfg.get("LORA_SHRINK", 0)}
         ptrs = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*fp32",
-                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "lt_ptr": "*fp32", "lb0_ptr": "*bf16",
+                "lb1_ptr": "*bf16", "lb2_ptr": "*bf16", "lidx_ptr": "*i32", "la0_ptr": "*bf16", "la1_ptr": "*bf16",
+                "la2_ptr": "*bf16", "lws_ptr": "*fp32", "lsync_ptr": "*i32"}
         div16 = [*ptrs, "N", "K", "stride_xm", "stride_w", "stride_s"]
         src = _source(GluonASTSource, fn, ptrs, consts, div16)
         return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}),

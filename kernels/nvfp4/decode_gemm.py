@@ -42,6 +42,7 @@ sums them in split order: deterministic), with the same per-device counter buffe
 from __future__ import annotations
 
 import torch
+import triton
 
 try:  # Gluon ships with triton >= 3.5; its API is experimental and changes between releases
     from triton.experimental import gluon
@@ -53,9 +54,10 @@ except ImportError:  # pragma: no cover
 
 from .gemm import _DECODE_WORD_ASM, _SCALE_BIAS, _SCALE_PAIR_ASM, _counters
 
-__all__ = ["AVAILABLE", "linear_decode", "supports"]
+__all__ = ["AVAILABLE", "linear_decode", "lora_fits", "supports"]
 
 CHUNK = 128  # codes of K per thread-group load: 4 lanes × 16 bytes of one row
+SHRINK_TILES = 4  # K tiles per LoRA shrink program (LORA_SHRINK): more programs, each short
 
 
 def supports(m: int, n: int, k: int, cfg: dict) -> bool:
@@ -144,13 +146,156 @@ if AVAILABLE:
         b = gl.convert_layout(gl.permute(_virtual_k(x, MT, KV), [1, 0]), b_op, assert_trivial=True)
         return mma_v2(a, b, acc)
 
+    @gluon.constexpr_function
+    def _lora_layouts(rows, mt, r, warps):
+        """Load layouts of the LoRA epilogue's operands: B [rows, r] in 16-byte vectors along r,
+        Tᵀ [r, mt] (contiguous along r) one value per thread; neither wider than its tensor."""
+        b_lay = gl.BlockedLayout([1, 8], [32 // (r // 8), r // 8], [warps, 1], [1, 0])
+        t_lay = gl.BlockedLayout([1, 1], [32 // mt, mt], [warps, 1], [0, 1])
+        return b_lay, t_lay
+
+    @gluon.jit
+    def _lora_delta(n0, M, N, lt_ptr, lb0_ptr, lb1_ptr, lb2_ptr, lidx_ptr, LN1, LN2, lsb0, lsb1, lsb2, lsync_ptr,
+                    ROWS: gl.constexpr, MT: gl.constexpr, LORA_R: gl.constexpr, N_LORAS: gl.constexpr,
+                    mma: gl.constexpr, SHRINK: gl.constexpr):
+        """The LoRA expand of output rows n0 … n0 + ROWS - 1 (kernels/nvfp4/lora.py, transposed:
+        [ROWS, MT] in the accumulator's layout): Σ_r B_s[idx[m], n, r] · bf16(T[s, m, r]), one
+        mma.sync per adapter slot, the tokens of other slots (and idx -1) masked out of Tᵀ.
+        SHRINK: T comes from this launch's shrink programs (`_lora_shrink`): wait for slice s's
+        flag (lsync[3 + s]) first; the slice's last reader resets it and its reader count
+        (lsync[6 + s]) for the next launch."""
+        W: gl.constexpr = gl.num_warps()
+        if n0 < LN1:  # the slice of these rows (a program's rows never straddle two: the host checks)
+            b_ptr = lb0_ptr
+            s = 0
+            start = 0
+            sb = lsb0
+        elif n0 < LN2:
+            b_ptr = lb1_ptr
+            s = 1
+            start = LN1
+            sb = lsb1
+        else:
+            b_ptr = lb2_ptr
+            s = 2
+            start = LN2
+            sb = lsb2
+        b_lay: gl.constexpr = _lora_layouts(ROWS, MT, LORA_R, W)[0]
+        t_lay: gl.constexpr = _lora_layouts(ROWS, MT, LORA_R, W)[1]
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        rn = n0 - start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, b_lay))
+        rr = gl.arange(0, LORA_R, layout=gl.SliceLayout(0, b_lay))
+        tr = gl.arange(0, LORA_R, layout=gl.SliceLayout(1, t_lay))
+        tm = gl.arange(0, MT, layout=gl.SliceLayout(0, t_lay))
+        m_ok = tm < M
+        idx = gl.load(lidx_ptr + tm, mask=m_ok, other=-1)
+        if SHRINK:
+            while gl.atomic_add(lsync_ptr + 3 + s, 0, sem="acquire", scope="gpu") == 0:
+                pass
+        t = gl.load(lt_ptr + s * M * LORA_R + tm[None, :] * LORA_R + tr[:, None], mask=m_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        if SHRINK:
+            _cta_barrier()  # every thread has T in registers before the flag may be reset
+            if s == 0:
+                width = LN1
+            elif s == 1:
+                width = LN2 - LN1
+            else:
+                width = N - LN2
+            if gl.atomic_add(lsync_ptr + 6 + s, 1, sem="acq_rel", scope="gpu") == width // ROWS - 1:
+                gl.atomic_xchg(lsync_ptr + 6 + s, 0, sem="relaxed", scope="gpu")
+                gl.atomic_xchg(lsync_ptr + 3 + s, 0, sem="relaxed", scope="gpu")
+        delta = gl.zeros([ROWS, MT], gl.float32, layout=mma)
+        for slot in gl.static_range(N_LORAS):
+            b = gl.load(b_ptr + slot * sb + rn.to(gl.int64)[:, None] * LORA_R + rr[None, :])
+            ts = gl.where((idx == slot)[None, :], t, 0.0).to(gl.bfloat16)
+            delta = mma_v2(gl.convert_layout(b, a_op), gl.convert_layout(ts, b_op), delta)
+        return delta
+
+    @gluon.constexpr_function
+    def _shrink_layouts(bk, mt, warps):
+        """Load layouts of the shrink's operands: A [16·warps rows, bk] in 16-byte vectors along K,
+        xᵀ [bk, mt] in 16-byte vectors along K; neither wider than its tensor."""
+        tpc = min(bk // 8, 32)
+        a_lay = gl.BlockedLayout([1, 8], [32 // tpc, tpc], [warps, 1], [1, 0])
+        x_lay = gl.BlockedLayout([8, 1], [tpc, 32 // tpc], [1, warps], [0, 1])
+        return a_lay, x_lay
+
+    @gluon.jit
+    def _lora_shrink(s, part, kt0, kt1, x_ptr, stride_xm, M, K, la0_ptr, la1_ptr, la2_ptr, lsa0, lsa1, lsa2,
+                     lidx_ptr, lt_ptr, lws_ptr, lsync_ptr, PARTS,
+                     MT: gl.constexpr, BK: gl.constexpr, LORA_R: gl.constexpr, N_LORAS: gl.constexpr,
+                     N_SLICES: gl.constexpr, mma: gl.constexpr):
+        """A shrink program (LORA_SHRINK): T[s, m, r] = Σ_k x[m, k] · A_s[idx[m], r, k] over K tiles
+        kt0 … kt1 - 1 (part `part` of PARTS for slice s), for every rank slot r, as mma.sync on
+        [16·W rank rows, MT tokens] chunks (one per adapter slot, the tokens of other slots masked
+        out). Partials go to lws[part, s, m, r]; the last part of slice s (counter lsync[s]) sums
+        them in part order into T and raises slice s's flag lsync[3 + s], which the tile programs'
+        epilogues wait for."""
+        W: gl.constexpr = gl.num_warps()
+        RA: gl.constexpr = 16 * W
+        CHUNKS: gl.constexpr = (LORA_R + RA - 1) // RA
+        if s == 0:
+            a_ptr = la0_ptr
+            sa = lsa0
+        elif s == 1:
+            a_ptr = la1_ptr
+            sa = lsa1
+        else:
+            a_ptr = la2_ptr
+            sa = lsa2
+        a_lay: gl.constexpr = _shrink_layouts(BK, MT, W)[0]
+        x_lay: gl.constexpr = _shrink_layouts(BK, MT, W)[1]
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        ra = gl.arange(0, RA, layout=gl.SliceLayout(1, a_lay))
+        ka = gl.arange(0, BK, layout=gl.SliceLayout(0, a_lay))
+        kx = gl.arange(0, BK, layout=gl.SliceLayout(1, x_lay))
+        xm = gl.minimum(gl.arange(0, MT, layout=gl.SliceLayout(0, x_lay)), M - 1)
+        ro = gl.arange(0, RA, layout=gl.SliceLayout(1, mma))
+        mo = gl.arange(0, MT, layout=gl.SliceLayout(0, mma))
+        idx = gl.load(lidx_ptr + mo, mask=mo < M, other=-1)
+        for c in gl.static_range(CHUNKS):
+            rows = c * RA + ra
+            tsel = gl.zeros([RA, MT], gl.float32, layout=mma)
+            for slot in gl.static_range(N_LORAS):
+                acc = gl.zeros([RA, MT], gl.float32, layout=mma)
+                for kt in range(kt0, kt1):
+                    a = gl.load(a_ptr + slot * sa + rows.to(gl.int64)[:, None] * K + (kt * BK + ka)[None, :],
+                                mask=(rows < LORA_R)[:, None], other=0.0)
+                    xt = gl.load(x_ptr + xm.to(gl.int64)[None, :] * stride_xm + (kt * BK + kx)[:, None])
+                    acc = mma_v2(gl.convert_layout(a, a_op), gl.convert_layout(xt, b_op), acc)
+                tsel += gl.where((idx == slot)[None, :], acc, 0.0)
+            r_o = c * RA + ro
+            offs = (s * M + mo[None, :]) * LORA_R + r_o[:, None]
+            gl.store(lws_ptr + part * (N_SLICES * M * LORA_R) + offs, tsel,
+                     mask=(mo < M)[None, :] & (r_o < LORA_R)[:, None])
+        _cta_barrier()  # every thread's partial is written before the release below
+        if gl.atomic_add(lsync_ptr + s, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
+            for c in gl.static_range(CHUNKS):
+                r_o = c * RA + ro
+                offs = (s * M + mo[None, :]) * LORA_R + r_o[:, None]
+                omask = (mo < M)[None, :] & (r_o < LORA_R)[:, None]
+                total = gl.zeros([RA, MT], gl.float32, layout=mma)
+                for sp in range(0, PARTS):
+                    total += gl.load(lws_ptr + sp * (N_SLICES * M * LORA_R) + offs, mask=omask, other=0.0,
+                                     cache_modifier=".cg")
+                gl.store(lt_ptr + offs, total, mask=omask)
+            gl.atomic_xchg(lsync_ptr + s, 0, sem="relaxed", scope="gpu")
+            _cta_barrier()  # T is written by every thread before the flag goes up
+            gl.atomic_xchg(lsync_ptr + 3 + s, 1, sem="release", scope="gpu")
+
     @gluon.jit
     def _decode_kernel(
         x_ptr, packed_ptr, scale_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_w, stride_s, SPLIT_K,
+        lt_ptr, lb0_ptr, lb1_ptr, lb2_ptr, lidx_ptr, LN1, LN2, lsb0, lsb1, lsb2,
+        la0_ptr, la1_ptr, la2_ptr, lsa0, lsa1, lsa2, lws_ptr, lsync_ptr, LQ,
         RW: gl.constexpr, KV: gl.constexpr, MT: gl.constexpr,
         HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, STAGES: gl.constexpr = 0,
-        RING_S: gl.constexpr = False,
+        RING_S: gl.constexpr = False, LORA: gl.constexpr = False, LORA_R: gl.constexpr = 16,
+        N_LORAS: gl.constexpr = 1, LORA_SHRINK: gl.constexpr = 0,
     ):
         W: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * RW * W
@@ -164,10 +309,32 @@ if AVAILABLE:
 
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
+        if LORA_SHRINK > 0:
+            # roles by ticket, in the order programs start: a tile program that waits for the shrink got
+            # its ticket after every shrink program got theirs, so those are running or done whatever
+            # order the hardware starts blocks in (the last ticket resets the counter for the next launch)
+            programs = gl.num_programs(0) * gl.num_programs(1)
+            ticket = gl.atomic_add(lsync_ptr + 9, 1, sem="relaxed", scope="gpu")
+            if ticket == programs - 1:
+                gl.atomic_xchg(lsync_ptr + 9, 0, sem="relaxed", scope="gpu")
+            pid_n = ticket % gl.num_programs(0)
+            pid_k = ticket // gl.num_programs(0)
         k_tiles = K // BK
         per_split = gl.cdiv(k_tiles, SPLIT_K)
         kt0 = pid_k * per_split
         kt1 = gl.minimum(kt0 + per_split, k_tiles)
+        if LORA_SHRINK > 0:
+            # the first LORA_SHRINK · LQ programs of each split compute the LoRA shrink: LQ per slice,
+            # each over a 1 / LQ part of the split's K tiles (the tile programs are shifted past them)
+            if pid_n < LORA_SHRINK * LQ:
+                q = pid_n % LQ
+                per_q = gl.cdiv(kt1 - kt0, LQ)
+                _lora_shrink(pid_n // LQ, pid_k * LQ + q, gl.minimum(kt0 + q * per_q, kt1),
+                             gl.minimum(kt0 + (q + 1) * per_q, kt1), x_ptr, stride_xm, M, K, la0_ptr, la1_ptr,
+                             la2_ptr, lsa0, lsa1, lsa2, lidx_ptr, lt_ptr, lws_ptr, lsync_ptr, SPLIT_K * LQ, MT, BK,
+                             LORA_R, N_LORAS, LORA_SHRINK, mma)
+                return
+            pid_n -= LORA_SHRINK * LQ
         first = gl.minimum(kt0, kt1 - 1)  # a split past the end (it adds zeros) still loads a real tile
 
         # weight words [ROWS, 16·KV] and scale pairs [ROWS, 4·KV] of the split's first K tile
@@ -268,6 +435,9 @@ if AVAILABLE:
             y = gl.div_rn(acc, g)
             if HAS_BIAS:
                 y += gl.load(bias_ptr + rn).to(gl.float32)[:, None]
+            if LORA:
+                y += _lora_delta(pid_n * ROWS, M, N, lt_ptr, lb0_ptr, lb1_ptr, lb2_ptr, lidx_ptr, LN1, LN2,
+                                 lsb0, lsb1, lsb2, lsync_ptr, ROWS, MT, LORA_R, N_LORAS, mma, LORA_SHRINK > 0)
             gl.store(out_ptr + out_offs, y.to(gl.bfloat16), mask=out_mask)
         else:
             gl.store(ws_ptr + pid_k * (M * N) + out_offs, acc, mask=out_mask)
@@ -281,18 +451,41 @@ if AVAILABLE:
                 y = gl.div_rn(total, g)
                 if HAS_BIAS:
                     y += gl.load(bias_ptr + rn).to(gl.float32)[:, None]
+                if LORA:
+                    y += _lora_delta(pid_n * ROWS, M, N, lt_ptr, lb0_ptr, lb1_ptr, lb2_ptr, lidx_ptr, LN1, LN2,
+                                     lsb0, lsb1, lsb2, lsync_ptr, ROWS, MT, LORA_R, N_LORAS, mma, LORA_SHRINK > 0)
                 gl.store(out_ptr + out_offs, y.to(gl.bfloat16), mask=out_mask)
                 gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
+def lora_fits(m: int, cfg: dict, slices: list[int], rank_slots: int, shrink: bool = False) -> bool:
+    """Whether the decode kernel can add a LoRA in its epilogue (kernels/nvfp4/lora.py): its
+    rows per program never straddle two output slices, and the epilogue's load layouts fit the
+    rank slots (a power of two, 16-256) and the rows; with `shrink` also the shrink programs'
+    (`_lora_shrink`: 2·num_warps ≤ input rows rounded up to 8 or 16, with 128-code K tiles)."""
+    rows, warps = 16 * cfg["RW"] * cfg["num_warps"], cfg["num_warps"]
+    mt = 8 if m <= 8 else 16
+    fits = (all(n % rows == 0 for n in slices) and 16 <= rank_slots <= 256
+            and not rank_slots & (rank_slots - 1) and (32 // mt) * warps <= rank_slots)
+    tpc = min(CHUNK * cfg["KV"] // 8, 32)
+    return fits and (not shrink or (32 // tpc) * warps <= mt)
+
+
 def linear_decode(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                  bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
+                  bias: torch.Tensor | None, cfg: dict, lora: tuple | None = None) -> torch.Tensor:
     """y [M, N] bf16 = x [M, K] bf16 @ Ŵᵀ (+ bias) with config keys RW (16-row groups per warp),
     KV (128-code chunks per K step), SPLIT_K, num_warps, STAGES (0: the weight prefetched one
     tile ahead in registers; ≥ 2: through a ring of that many tiles in shared memory) and RING_S
     (with STAGES ≥ 2: the block scales through a ring as well, 4-byte copies). The caller
     (`gemm.linear_w4a16`) has checked dtypes and shapes; x is 2-D with unit stride along K, packed
-    rows 16-byte aligned."""
+    rows 16-byte aligned. `lora` = (T, [B_s], token slots, slices, [A_s] or None) adds a LoRA's
+    expand in the epilogue (kernels/nvfp4/lora.py; the caller checked them with
+    `lora.check_lora_args` and `lora_fits`). With [A_s] (vLLM's `lora_a_stacked`,
+    [max_loras, 1, r, K] bf16) the launch also computes T (written into the given tensor): per
+    slice and split, ⌈K tiles of the split / SHRINK_TILES⌉ shrink programs ahead of the tile
+    programs, whose epilogues wait for T. Programs take their roles from a ticket counter in the
+    order they start, so every shrink program has started before any tile program can wait. The
+    launch needs the shared counter buffer zeroed, as every kernel leaves it."""
     m, k = x.shape
     n = packed.shape[0]
     if not x.is_cuda:
@@ -315,11 +508,39 @@ def linear_decode(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
     tiles = n // (16 * cfg["RW"] * cfg["num_warps"])
     ws = torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else out
     g = global_scale.reshape(-1)
-    _decode_kernel[(tiles, split)](
+    counters = _counters(x.device, tiles + 16)
+    shrink_programs = 0
+    if lora is not None:
+        from .lora import slice_args
+        t, bs, idx, slices, lora_a = lora
+        r = t.shape[-1]
+        if not lora_fits(m, cfg, slices, r, shrink=lora_a is not None):
+            raise ValueError(f"the decode kernel's LoRA epilogue does not fit slices {list(slices)} with rank slots "
+                             f"{r} and {16 * cfg['RW'] * cfg['num_warps']} rows per program")
+        lora_args = (t, *slice_args(bs, slices)[:3], idx, *slice_args(bs, slices)[3:])
+        lora_consts = dict(LORA=True, LORA_R=r, N_LORAS=bs[0].shape[0])
+        if lora_a is not None:
+            for a, b in zip(lora_a, bs):
+                if a.dtype != torch.bfloat16 or tuple(a.shape) != (b.shape[0], 1, r, k) or not a.is_contiguous():
+                    raise ValueError(f"LoRA A must be contiguous bf16 [{b.shape[0]}, 1, {r}, {k}], got {a.dtype} "
+                                     f"{tuple(a.shape)}")
+            a3 = list(lora_a) + [lora_a[-1]] * (3 - len(lora_a))
+            # parts per slice and split: at most SHRINK_TILES K tiles each (a part's loop has no prefetch)
+            per_split = triton.cdiv(k // (CHUNK * cfg["KV"]), split)
+            parts = triton.cdiv(per_split, SHRINK_TILES)
+            shrink_programs = len(slices) * parts
+            lws = torch.empty(split * shrink_programs * m * r, dtype=torch.float32, device=x.device)
+            lora_args += (*a3, *(a.stride(0) for a in a3), lws, counters[tiles:], parts)
+            lora_consts["LORA_SHRINK"] = len(slices)
+        else:
+            lora_args += (g, g, g, 0, 0, 0, g, counters[tiles:], 1)
+    else:
+        lora_args, lora_consts = (g, g, g, g, g, n, n, 0, 0, 0, g, g, g, 0, 0, 0, g, counters[tiles:], 1), {}
+    _decode_kernel[(tiles + shrink_programs, split)](
         x, packed, scale.view(torch.uint8), g, bias if bias is not None else g, out, ws,
-        _counters(x.device, tiles), m, n, k, x.stride(0), packed.stride(0), scale.stride(0), split,
+        counters, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), split, *lora_args,
         RW=cfg["RW"], KV=cfg["KV"], MT=8 if m <= 8 else 16, HAS_BIAS=bias is not None, G_PER_ROW=g.numel() > 1,
-        STAGES=cfg.get("STAGES", 0), RING_S=ring_s,
+        STAGES=cfg.get("STAGES", 0), RING_S=ring_s, **lora_consts,
         num_warps=cfg["num_warps"],
     )
     return out

@@ -794,7 +794,7 @@ def _wgmma_fits(a2: torch.Tensor, m: int, n_out: int, red: int, trans_w: bool, g
 
 
 def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias, trans_w: bool,
-         config: Optional[dict] = None) -> torch.Tensor:
+         config: Optional[dict] = None, lora: Optional[tuple] = None) -> torch.Tensor:
     R, C = weight_packed.shape[0], weight_packed.shape[1] * 2
     n_out, red = (C, R) if trans_w else (R, C)
     lead = a.shape[:-1]
@@ -840,7 +840,7 @@ def _run(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, bias
             a2 = torch.empty_like(a2, memory_format=torch.contiguous_format).copy_(a2)
         if packed.data_ptr() % 16:
             packed = packed.clone()
-        out = decode_gemm.linear_decode(a2, packed, scale, g, bias_arg if has_bias else None, config)
+        out = decode_gemm.linear_decode(a2, packed, scale, g, bias_arg if has_bias else None, config, lora)
     elif config is not None and config.get("GEMV"):
         _run_gemv(a2, packed, scale, g, bias_arg, out, has_bias, trans_w, dict(config))
     elif config is not None or INTERPRET:
@@ -891,6 +891,7 @@ def linear_w4a16(
     bias: Optional[torch.Tensor] = None,
     *,
     _config: Optional[dict] = None,
+    _lora: Optional[tuple] = None,
 ) -> torch.Tensor:
     """y [.., N] bf16 = x [.., K] bf16 @ Wᵀ (+ bias), W the NVFP4 weight [N, K].
 
@@ -903,14 +904,18 @@ def linear_w4a16(
     the CUDA-core kernel (M = 1, K % BLOCK_K == 0); or DECODE=True with RW, KV, SPLIT_K, num_warps for the
     Gluon mma.sync kernel of `decode_gemm` (GPU only, M <= 16); or WGMMA=True with any of BM, BP, BR,
     STAGES, GROUP_M, SPLIT_K for the Gluon wgmma kernel of `wgmma_gemm` (Hopper only). Without `_config`,
-    Hopper GPUs run that kernel from WGMMA_MIN_M rows on (0, the default: never) where the shape fits it."""
+    Hopper GPUs run that kernel from WGMMA_MIN_M rows on (0, the default: never) where the shape fits it.
+    `_lora` (with a DECODE config only; x 2-D): a LoRA in the decode kernel's launch, (T, [B_s],
+    token slots, slices, [A_s] or None) as `decode_gemm.linear_decode` takes it (the serving op)."""
     n, _ = _check("linear_w4a16", x, weight_packed, weight_scale, weight_global_scale, True)
+    if _lora is not None and not (_config and _config.get("DECODE") and x.dim() == 2):
+        raise ValueError("linear_w4a16: a LoRA epilogue (_lora) needs a DECODE config and a 2-D input")
     if bias is not None:
         if bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32) \
                 or bias.device != x.device:
             raise ValueError(f"linear_w4a16: bias must be bf16/fp32 [{n}] on {x.device}, got "
                              f"{bias.dtype} {tuple(bias.shape)}")
-    return _run(x, weight_packed, weight_scale, weight_global_scale, bias, False, _config)
+    return _run(x, weight_packed, weight_scale, weight_global_scale, bias, False, _config, _lora)
 
 
 def grad_input_w4a16(

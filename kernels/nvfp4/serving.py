@@ -32,6 +32,13 @@ Both choose among the same kernels (the generic table never picks the decode ker
   1.5-2.9x the fused kernel's time on an H100, but at large M the GEMM is compute bound and
   cuBLAS beats the fused kernel (kernels/nvfp4/NOTES.md: 43-50 % of cuBLAS at M = 4096).
 
+``torch.ops.qerl.nvfp4_linear_lora(x, packed, scale, row_global_scale, bias, lora_t, lora_a,
+lora_b, lora_slots, slices)`` adds a LoRA as vLLM lays it out (`lora.py`). Where the decode
+kernel serves the call, one launch does the GEMM, the shrink (programs ahead of the tile
+programs) and the expand (the tile programs' epilogue) instead of vLLM's fill, shrink and
+expand after the GEMM; elsewhere `lora.py`'s shrink and expand run around the GEMM. The vLLM
+plugin (kernels/vllm_nvfp4_dequant.py) routes the fused layers' LoRA through it.
+
 Two switches, both off by default: measured on an H100 (kernels/nvfp4/NOTES.md, 2026-12-05
 afternoon) they are correct but gain nothing inside vLLM. ``QERL_NVFP4_PDL=1`` launches the
 kernels with programmatic dependent launch (a kernel starts while the one before it finishes,
@@ -169,24 +176,73 @@ def prepare(device: torch.device) -> None:
     gemm._counters(device, 1 << 16)
 
 
-@torch.library.custom_op("qerl::nvfp4_linear", mutates_args=())
-def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_global_scale: torch.Tensor,
-                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] bf16 @ Ŵᵀ (+ bias) -> [M, N] bf16; Ŵ = E2M1(packed) · scale / row_global_scale[row]."""
-    from . import gemm, triton_kernels
+def _config(x: torch.Tensor, m: int, n: int, k: int) -> Optional[dict]:
+    """The config `config_for` gives this call on this device (PDL added when asked for)."""
+    from . import gemm
 
-    m, k = x.shape
-    n = packed.shape[0]
     cfg = config_for(m, n, k, _num_sms(x.device), decode=_decode_runs(x.device) and not gemm.INTERPRET,
                      wgmma=_wgmma_runs(x.device) and not gemm.INTERPRET and os.environ.get(WGMMA_ENV, "0") == "1")
     if cfg is not None and os.environ.get(PDL_ENV, "0") == "1":
         cfg["PDL"] = True  # the kernel may start while the previous one finishes (gemm._pdl_start)
+    return cfg
+
+
+def _linear(x, packed, scale, row_global_scale, bias, cfg: Optional[dict]) -> torch.Tensor:
+    from . import gemm, triton_kernels
+
     if cfg is None:  # per-row divisors are handled by the bf16 dequantize too
         w = triton_kernels.dequantize(packed, scale, row_global_scale, torch.bfloat16)
         return torch.nn.functional.linear(x, w, bias)
     return gemm.linear_w4a16(x, packed, scale, row_global_scale, bias, _config=cfg)
 
 
+@torch.library.custom_op("qerl::nvfp4_linear", mutates_args=())
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_global_scale: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] bf16 @ Ŵᵀ (+ bias) -> [M, N] bf16; Ŵ = E2M1(packed) · scale / row_global_scale[row]."""
+    m, k = x.shape
+    return _linear(x, packed, scale, row_global_scale, bias, _config(x, m, packed.shape[0], k))
+
+
 @nvfp4_linear.register_fake
 def _(x, packed, scale, row_global_scale, bias=None):
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+@torch.library.custom_op("qerl::nvfp4_linear_lora", mutates_args=())
+def nvfp4_linear_lora(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_global_scale: torch.Tensor,
+                      bias: Optional[torch.Tensor], lora_t: Optional[torch.Tensor], lora_a: list[torch.Tensor],
+                      lora_b: list[torch.Tensor], lora_slots: torch.Tensor, slices: list[int]) -> torch.Tensor:
+    """`nvfp4_linear` plus a LoRA in vLLM's layout (`lora.py`): lora_a / lora_b the S per-slice stacks
+    [max_loras, 1, r, K] / [max_loras, 1, N_s, r] bf16, lora_slots [M] each token's adapter slot
+    (-1: none), slices the S output widths; lora_t the shrink's output T [S, M, r] fp32 if the
+    caller ran it (lora_a is then not read and may be []), else None. Where the Gluon decode kernel
+    serves the call (M ≤ 8 on the measured 7B shapes) the expand is its epilogue and, without
+    lora_t, the shrink runs in the same launch: one launch for GEMM + LoRA. Elsewhere the LoRA
+    kernels of `lora.py` run around the GEMM (as many launches as vLLM's path)."""
+    from . import decode_gemm, gemm
+    from .lora import check_lora_args, lora_expand_, lora_shrink
+
+    m, k = x.shape
+    n = packed.shape[0]
+    r = lora_b[0].shape[-1] if lora_b else 0
+    if lora_t is None and len(lora_a) != len(slices):
+        raise ValueError(f"nvfp4_linear_lora: {len(lora_a)} LoRA A tensors for {len(slices)} slices")
+    t = lora_t if lora_t is not None else torch.empty((len(slices), m, r), dtype=torch.float32, device=x.device)
+    check_lora_args(m, n, t, lora_b, lora_slots, slices)
+    cfg = _config(x, m, n, k)
+    decode = cfg is not None and cfg.get("DECODE")
+    if decode and lora_t is None and decode_gemm.lora_fits(m, cfg, slices, r, shrink=True):
+        return gemm.linear_w4a16(x, packed, scale, row_global_scale, bias, _config=cfg,
+                                 _lora=(t, lora_b, lora_slots, slices, list(lora_a)))
+    if lora_t is None:  # `t` above only carried the shape to check_lora_args
+        t = lora_shrink(x, list(lora_a), lora_slots)
+    if decode and decode_gemm.lora_fits(m, cfg, slices, r):
+        return gemm.linear_w4a16(x, packed, scale, row_global_scale, bias, _config=cfg,
+                                 _lora=(t, lora_b, lora_slots, slices, None))
+    return lora_expand_(_linear(x, packed, scale, row_global_scale, bias, cfg), t, lora_b, lora_slots, slices)
+
+
+@nvfp4_linear_lora.register_fake
+def _(x, packed, scale, row_global_scale, bias, lora_t, lora_a, lora_b, lora_slots, slices):
     return x.new_empty((x.shape[0], packed.shape[0]))
