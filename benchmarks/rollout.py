@@ -150,11 +150,34 @@ def worker(args) -> dict:
         result["tokens_per_second"][str(c)] = round(n / s, 1)
         result["seconds"][str(c)] = round(s, 2)
         print(f"[{backend}] concurrency {c}: {n} tokens in {s:.2f}s = {n / s:,.1f} tok/s", flush=True)
-    result["lora_env"] = {k: os.environ.get(k) for k in ("VLLM_LORA_ENABLE_DUAL_STREAM", "VLLM_TUNED_CONFIG_FOLDER")}
+    if args.greedy_check:
+        result["greedy"] = greedy_tokens(llm, lora, vocab, args.greedy_check)
+    result["lora_env"] = {k: os.environ.get(k) for k in ("VLLM_LORA_ENABLE_DUAL_STREAM", "VLLM_TUNED_CONFIG_FOLDER",
+                                                         "QERL_NVFP4_LORA_EPILOGUE")}
     result["lora_kernels"] = {"configs": configs, "dual_stream": dual}
     for c in [int(c) for c in args.profile.split(",") if c]:
         result.setdefault("profile", {})[str(c)] = profile_decode(batch, c, backend)
     return result
+
+
+def greedy_tokens(llm, lora, vocab: int, tokens: int) -> dict:
+    """Greedy continuations of 4 fixed prompts (1, 3, 5 and 8 sequences' worth of rows go through
+    the same kernels as decoding does), with the adapter and without it, and each chosen token's
+    log-prob: two engines on the same dummy weights (vLLM seeds them) and adapter must agree,
+    and the adapter must change them (`--greedy-check`; compare two runs' results files)."""
+    import torch
+    from vllm import SamplingParams
+
+    gen = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(0, vocab, (n,), generator=gen).tolist()} for n in (5, 17, 33, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, logprobs=0)
+    out = {}
+    for name, req in (("lora", lora), ("base", None)):
+        res = llm.generate(prompts, params, lora_request=req, use_tqdm=False)
+        out[name] = [list(o.outputs[0].token_ids) for o in res]
+        out[name + "_logprobs"] = [[round(float(next(iter(d.values())).logprob), 4) for d in o.outputs[0].logprobs]
+                                   for o in res]
+    return out
 
 
 # kernel-name fragments → what the time is spent on (first match wins)
@@ -244,6 +267,9 @@ def main(argv=None) -> int:
                                                  "(GPU time per step by kernel kind vs wall time, prefill excluded)")
     ap.add_argument("--logprobs", choices=("on", "off"), default="on",
                     help="return each sampled token's log-prob, as the rollout stage does (on)")
+    ap.add_argument("--greedy-check", type=int, default=0, metavar="N",
+                    help="also record N greedy tokens of 4 fixed prompts with and without the adapter "
+                         "(to compare two runs, e.g. QERL_NVFP4_LORA_EPILOGUE=0 and 1)")
     ap.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -40,6 +40,15 @@ calls it directly, so it works where the project is on PYTHONPATH but not pip-in
    vLLM collapses them into a single ``1/max`` value. Only layers whose kernel is ours are
    touched.
 
+3. ``BaseLinearLayerWithLoRA._apply_sync`` (vLLM's LoRA on q/k/v, o, gate/up and down, without
+   the dual stream) is wrapped: for a layer served by the fused kernel, without tensor parallelism
+   and with bf16 adapters, GEMM and LoRA go through ``torch.ops.qerl.nvfp4_linear_lora``:
+   at decode sizes one launch does the GEMM, the shrink and the expand (vLLM: GEMM, fill,
+   shrink, expand; ``kernels/nvfp4/lora.py``). ``QERL_NVFP4_LORA_EPILOGUE`` (read at model
+   load): ``1`` that; ``expand`` vLLM's shrink, then the GEMM with the expand in its epilogue;
+   ``0`` (the default until these have run on a GPU) vLLM's own LoRA kernels. Every other layer
+   runs vLLM's code unchanged.
+
 Kernel semantics, compressed-tensors convention::
 
     W[r, c] = E2M1(weight_packed)[r, c] * weight_scale[r, c // 16] / global_scale[shard(r)]
@@ -76,6 +85,13 @@ logger = logging.getLogger("vllm.plugins.qerl_nvfp4_dequant")
 KERNEL_LOG_LINE = "QeRL NVFP4 kernel (dequantize-once, bf16 GEMM) for W4A16 FP4 layers"
 FUSED_LOG_LINE = "QeRL NVFP4 kernel (fused W4A16 Triton GEMM on the 4-bit weights) for W4A16 FP4 layers"
 BACKEND_ENV = "QERL_NVFP4_BACKEND"  # "dequant" / "fused": take the NVFP4 layers on CUDA too
+# how the fused layers apply a LoRA: "0" (default) vLLM's kernels; "1" shrink and expand in our GEMM's
+# launch where the decode kernel serves it; "expand" vLLM's shrink, then the expand in our epilogue.
+# "1" and "expand" compile for sm_90a and pass the CPU tests of their Triton paths, but have not
+# run on a GPU yet (kernels/nvfp4/NOTES.md, 2026-12-07 seventh session): off until measured
+LORA_EPILOGUE_ENV = "QERL_NVFP4_LORA_EPILOGUE"
+LORA_EPILOGUE_MODES = ("1", "expand", "0")
+_LORA_PATCH_MARK = "_qerl_lora_epilogue_patched"
 _PATCH_MARK = "_qerl_nvfp4_dequant_patched"
 _LOGGED: list = []  # vllm configs whose kernel choice was logged (kept alive: ids get reused)
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -248,6 +264,11 @@ def _kernel_classes():
                                   persistent=False)
             layer.weight_scale.data = block_scale.contiguous()
             serving.prepare(packed.device)
+            # a LoRA on this layer: vLLM's kernels unless asked for ours (_lora_apply; not yet run on a GPU)
+            mode = os.environ.get(LORA_EPILOGUE_ENV, "0")
+            if mode not in LORA_EPILOGUE_MODES:
+                raise ValueError(f"{LORA_EPILOGUE_ENV}={mode!r}: expected one of {', '.join(LORA_EPILOGUE_MODES)}")
+            layer.qerl_lora_epilogue = mode
 
         def apply_weights(self, layer, x, bias=None):
             # torch.ops.qerl.nvfp4_linear was registered when process_weights_after_loading
@@ -335,6 +356,7 @@ def register() -> None:
     scheme_mod.init_nvfp4_linear_kernel = init_nvfp4_linear_kernel
     scheme_cls.process_weights_after_loading = process_weights_after_loading
     setattr(scheme_mod, _PATCH_MARK, True)
+    _patch_lora_layers()
     logger.debug("QeRL NVFP4 dequant plugin installed")
 
 
@@ -343,3 +365,70 @@ _IN_OUR_LAYER: list[bool] = []
 
 def _drop_shared_scale_warning(record: logging.LogRecord) -> bool:
     return not (_IN_OUR_LAYER and "global scale is different" in str(record.msg))
+
+
+def _patch_lora_layers() -> None:
+    """Wrap vLLM's ``BaseLinearLayerWithLoRA._apply_sync`` (the LoRA layers of q/k/v, o, gate/up
+    and down without the dual stream) so that a layer served by the fused kernel gets its
+    LoRA through :func:`_lora_apply`; every other layer runs vLLM's code unchanged."""
+    try:
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+        orig = BaseLinearLayerWithLoRA._apply_sync
+    except Exception:  # vLLM internals renamed: keep vLLM's own LoRA path
+        logger.warning("QeRL NVFP4 plugin: vLLM's LoRA layer internals changed; the fused kernel's LoRA "
+                       "epilogue is not installed", exc_info=True)
+        return
+    if getattr(BaseLinearLayerWithLoRA, _LORA_PATCH_MARK, False):
+        return
+
+    @functools.wraps(orig)
+    def _apply_sync(self, x, bias=None):
+        if lora_epilogue_fits(self):
+            return _lora_apply(self, x, bias)
+        return orig(self, x, bias)
+
+    BaseLinearLayerWithLoRA._apply_sync = _apply_sync
+    setattr(BaseLinearLayerWithLoRA, _LORA_PATCH_MARK, True)
+
+
+def lora_epilogue_fits(lora_layer) -> bool:
+    """Whether `_lora_apply` serves this LoRA layer: its base layer is one of the fused kernel's
+    (with QERL_NVFP4_LORA_EPILOGUE not 0), no tensor parallelism, a Punica wrapper with the
+    per-token slot map, bf16 adapters, rank slots the kernels take (a power of two, 16-256), at
+    most 3 output slices that add up to the layer's rows."""
+    base = lora_layer.base_layer
+    wrapper = getattr(lora_layer, "punica_wrapper", None)
+    a, b = getattr(lora_layer, "lora_a_stacked", None), getattr(lora_layer, "lora_b_stacked", None)
+    if not (getattr(base, "qerl_lora_epilogue", "0") != "0" and getattr(lora_layer, "tp_size", 1) == 1
+            and hasattr(wrapper, "_token_lora_indices") and hasattr(wrapper, "add_shrink") and a and b):
+        return False
+    r = b[0].shape[-1]
+    return (all(t.dtype == torch.bfloat16 for t in (*a, *b)) and 16 <= r <= 256 and not r & (r - 1)
+            and all(t.shape[2] == r for t in a) and len(a) == len(b) == len(lora_layer.output_slices) <= 3
+            and sum(lora_layer.output_slices) == base.weight.shape[0])
+
+
+def _lora_apply(lora_layer, x: torch.Tensor, bias):
+    """The layer's GEMM and its LoRA as vLLM computes them (`_apply_sync`), through
+    ``torch.ops.qerl.nvfp4_linear_lora`` (kernels/nvfp4/lora.py): where the decode kernel serves
+    the GEMM, one launch instead of vLLM's four (GEMM, fill, shrink, expand); with
+    QERL_NVFP4_LORA_EPILOGUE=expand, vLLM's fill + shrink and then that launch."""
+    base = lora_layer.base_layer
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    wrapper = lora_layer.punica_wrapper
+    # each token's adapter slot (-1: none), rewritten every step by vLLM (`_update_base_metadata`).
+    # Not token_mapping_meta's copy: vLLM skips refreshing that one when no token has an adapter
+    # (its own kernels then do nothing), so a base-only batch would see the last LoRA batch's slots.
+    slots = wrapper._token_lora_indices[:m]
+    t, lora_a = None, list(lora_layer.lora_a_stacked)
+    if base.qerl_lora_epilogue == "expand":
+        # zeroed here: vLLM's shrink returns before zeroing it when no token has an adapter
+        t = torch.zeros((len(lora_layer.output_slices), m, lora_layer.lora_b_stacked[0].shape[-1]),
+                        dtype=torch.float32, device=x2.device)
+        wrapper.add_shrink(t, x2, lora_layer.lora_a_stacked, 1.0)
+        lora_a = []
+    y = torch.ops.qerl.nvfp4_linear_lora(x2, base.weight, base.weight_scale, base.qerl_row_global_scale, bias, t,
+                                         lora_a, list(lora_layer.lora_b_stacked), slots,
+                                         list(lora_layer.output_slices))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
