@@ -33,15 +33,14 @@ MAX_SLICES = 3  # q/k/v
 
 def lora_expand_reference(y: torch.Tensor, t: torch.Tensor, bs: list[torch.Tensor], idx: torch.Tensor,
                           slices: list[int]) -> torch.Tensor:
-    """y + the LoRA delta, as a new tensor (y [M, ΣN_s] bf16, t [S, M, r] fp32, idx [M] int)."""
+    """y + the LoRA delta, as a new tensor (y [M, ΣN_s] bf16, t [S, M, r] fp32, idx [M] int).
+    No data-dependent branch, so it can be captured in a CUDA graph (`lora_expand_`'s fallback)."""
     out = y.float()
     start = 0
     for s, (b, n_s) in enumerate(zip(bs, slices)):
         for slot in range(b.shape[0]):
-            rows = idx.long() == slot
-            if bool(rows.any()):
-                delta = t[s][rows].to(b.dtype).float() @ b[slot, 0, :n_s].float().T
-                out[rows, start:start + n_s] += delta
+            delta = t[s].to(b.dtype).float() @ b[slot, 0, :n_s].float().T
+            out[:, start:start + n_s] += delta * (idx.long() == slot).float()[:, None]
         start += n_s
     return out.to(y.dtype)
 
@@ -52,9 +51,7 @@ def lora_shrink_reference(x: torch.Tensor, a_s: list[torch.Tensor], idx: torch.T
     t = torch.zeros(len(a_s), m, r, dtype=torch.float32, device=x.device)
     for s, a in enumerate(a_s):
         for slot in range(a.shape[0]):
-            rows = idx.long() == slot
-            if bool(rows.any()):
-                t[s, rows] = x[rows].float() @ a[slot, 0].float().T
+            t[s] += (x.float() @ a[slot, 0].float().T) * (idx.long() == slot).float()[:, None]
     return t
 
 
