@@ -1,4 +1,4 @@
-"""The LoRA expand of the fused serving op (kernels/nvfp4/lora.py, the decode kernel's
+"""The LoRA shrink and expand of the fused serving op (kernels/nvfp4/lora.py, the decode kernel's
 epilogue, ``torch.ops.qerl.nvfp4_linear_lora``) against plain torch.
 
 The Triton kernels run on CPU under TRITON_INTERPRET=1 in a fresh process (see

