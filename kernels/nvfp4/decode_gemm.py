@@ -511,19 +511,19 @@ def linear_decode(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
     counters = _counters(x.device, tiles + 16)
     shrink_programs = 0
     if lora is not None:
-        from .lora import slice_args
+        from .lora import check_lora_a, slice_args
         t, bs, idx, slices, lora_a = lora
         r = t.shape[-1]
         if not lora_fits(m, cfg, slices, r, shrink=lora_a is not None):
             raise ValueError(f"the decode kernel's LoRA epilogue does not fit slices {list(slices)} with rank slots "
                              f"{r} and {16 * cfg['RW'] * cfg['num_warps']} rows per program")
-        lora_args = (t, *slice_args(bs, slices)[:3], idx, *slice_args(bs, slices)[3:])
+        b0, b1, b2, n1, n2, sb0, sb1, sb2 = slice_args(bs, slices)
+        lora_args = (t, b0, b1, b2, idx, n1, n2, sb0, sb1, sb2)
         lora_consts = dict(LORA=True, LORA_R=r, N_LORAS=bs[0].shape[0])
         if lora_a is not None:
-            for a, b in zip(lora_a, bs):
-                if a.dtype != torch.bfloat16 or tuple(a.shape) != (b.shape[0], 1, r, k) or not a.is_contiguous():
-                    raise ValueError(f"LoRA A must be contiguous bf16 [{b.shape[0]}, 1, {r}, {k}], got {a.dtype} "
-                                     f"{tuple(a.shape)}")
+            check_lora_a(lora_a, r, k)
+            if lora_a[0].shape[0] != bs[0].shape[0]:
+                raise ValueError(f"LoRA A has {lora_a[0].shape[0]} adapter slots, B {bs[0].shape[0]}")
             a3 = list(lora_a) + [lora_a[-1]] * (3 - len(lora_a))
             # parts per slice and split: at most SHRINK_TILES K tiles each (a part's loop has no prefetch)
             per_split = triton.cdiv(k // (CHUNK * cfg["KV"]), split)

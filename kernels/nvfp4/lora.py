@@ -26,7 +26,7 @@ import triton.language as tl
 from .gemm import INTERPRET
 
 __all__ = ["lora_expand_", "lora_expand_reference", "lora_shrink", "lora_shrink_reference", "block_n",
-           "check_lora_args", "slice_args", "MAX_SLICES"]
+           "check_lora_a", "check_lora_args", "slice_args", "MAX_SLICES"]
 
 MAX_SLICES = 3  # q/k/v
 
@@ -80,6 +80,15 @@ def check_lora_args(m: int, n: int, t: torch.Tensor, bs: list[torch.Tensor], idx
                              f"for every slice), got {b.dtype} {tuple(b.shape)}")
     if idx.shape != (m,) or idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"LoRA token mapping must be int32/int64 [{m}], got {idx.dtype} {tuple(idx.shape)}")
+
+
+def check_lora_a(a_s: list[torch.Tensor], r: int, k: int) -> None:
+    """Raise ValueError unless every A_s is contiguous bf16 [max_loras, 1, r, k], one max_loras."""
+    for a in a_s:
+        if a.dtype != torch.bfloat16 or a.dim() != 4 or tuple(a.shape[1:]) != (1, r, k) or not a.is_contiguous() \
+                or a.shape[0] != a_s[0].shape[0]:
+            raise ValueError(f"LoRA A must be contiguous bf16 [max_loras, 1, {r}, {k}] (the same max_loras for every "
+                             f"slice), got {a.dtype} {tuple(a.shape)}")
 
 
 def slice_args(bs: list[torch.Tensor], slices: list[int]) -> tuple:
@@ -176,11 +185,7 @@ def lora_shrink(x: torch.Tensor, a_s: list[torch.Tensor], idx: torch.Tensor) -> 
     (16-64 rows, slice, K split) adding their partial sums atomically. x [M, K] bf16 row-major."""
     m, k = x.shape
     r = a_s[0].shape[2]
-    for a in a_s:
-        if a.dtype != torch.bfloat16 or a.dim() != 4 or tuple(a.shape[1:]) != (1, r, k) or not a.is_contiguous() \
-                or a.shape[0] != a_s[0].shape[0]:
-            raise ValueError(f"LoRA A must be contiguous bf16 [max_loras, 1, {r}, {k}] (the same max_loras for every "
-                             f"slice), got {a.dtype} {tuple(a.shape)}")
+    check_lora_a(a_s, r, k)
     if not 1 <= len(a_s) <= MAX_SLICES or r < 16 or r & (r - 1) or x.stride(1) != 1:
         raise ValueError(f"lora_shrink: 1-{MAX_SLICES} slices, rank slots a power of two >= 16 and a row-major "
                          f"input, got {len(a_s)} slices, rank slots {r}, input strides {x.stride()}")
