@@ -63,6 +63,12 @@ def test_engine_settings_select_each_backend():
     assert engine_settings("dequant") == ({}, {"QERL_NVFP4_BACKEND": "dequant", "VLLM_DISABLE_COMPILE_CACHE": "1"})
     assert engine_settings("marlin") == ({}, {"QERL_NVFP4_BACKEND": ""})
     assert engine_settings("fused") == ({}, {"QERL_NVFP4_BACKEND": "fused", "VLLM_DISABLE_COMPILE_CACHE": "1"})
+    # where the fused layers' LoRA runs: the plugin reads QERL_NVFP4_LORA_EPILOGUE at model load
+    assert [engine_settings("fused", k)[1]["QERL_NVFP4_LORA_EPILOGUE"] for k in ("vllm", "expand", "fused")] == \
+        ["0", "expand", "1"]
+    assert "QERL_NVFP4_LORA_EPILOGUE" not in engine_settings("marlin", "fused")[1]
+    with pytest.raises(ConfigError, match="LoRA kernels must be one of"):
+        engine_settings("fused", "punica")
     with pytest.raises(ConfigError):
         engine_settings("auto")
     assert set(CHOICES) == {"auto", "marlin", "humming", "dequant", "fused"}
@@ -107,6 +113,8 @@ def test_rollout_config_rejects_an_unknown_backend():
 
     with pytest.raises(ConfigError, match="--nvfp4-backend must be one of"):
         RolloutConfig(model="/m", prompts="/p", output="/o", nvfp4_backend="fp8")
+    with pytest.raises(ConfigError, match="--nvfp4-lora-kernels must be one of vllm, expand, fused, not 'punica'"):
+        RolloutConfig(model="/m", prompts="/p", output="/o", nvfp4_lora_kernels="punica")
 
 
 @pytest.mark.parametrize("field, value, msg", [

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from components.common.cli import ConfigError, config_dict, field, require, run_stage
 from components.common.schemas import ROLLOUTS, read_artifact_table, to_table, write_ipc
 from components.common.storage import Artifact, Staging, parse_uri
-from components.rollout.backends import CHOICES
+from components.rollout.backends import CHOICES, LORA_KERNELS
 
 log = logging.getLogger("qerl.rollout")
 
@@ -61,6 +61,11 @@ class RolloutConfig:
                                "dequant (bf16 copy of the dequantized weights: cuBLAS speed, bf16 memory), "
                                "or fused (the project's Triton GEMMs on the 4-bit weights); CPUs always use "
                                "dequant", metavar="NAME")
+    nvfp4_lora_kernels: str = field("vllm", help="GPU, --nvfp4-backend fused: where the adapter's LoRA runs in the "
+                                    "NVFP4 layers: vllm (vLLM's Punica fill, shrink and expand: three launches per "
+                                    "layer), expand (vLLM's shrink, the expand in the fused GEMM's epilogue) or fused "
+                                    "(shrink and expand inside the GEMM's launch where its decode kernel serves the "
+                                    "batch; kernels/nvfp4/lora.py)", metavar="NAME")
     max_num_seqs: int = field(256, help="most sequences the engine runs at once (the concurrency)")
     lora_kernel_configs: str = field("bundled", help="GPU: configs of vLLM's LoRA kernels: bundled "
                                      "(components/rollout/lora_configs, tuned per GPU by benchmarks/lora_kernels.py), "
@@ -96,6 +101,8 @@ class RolloutConfig:
         require(self.max_num_seqs >= 1, "--max-num-seqs must be at least 1")
         require(self.nvfp4_backend in CHOICES, f"--nvfp4-backend must be one of {', '.join(CHOICES)}, "
                 f"not {self.nvfp4_backend!r}")
+        require(self.nvfp4_lora_kernels in LORA_KERNELS, f"--nvfp4-lora-kernels must be one of "
+                f"{', '.join(LORA_KERNELS)}, not {self.nvfp4_lora_kernels!r}")
 
 
 def _h(*parts) -> int:
@@ -163,6 +170,7 @@ def main(cfg: RolloutConfig) -> None:
                                                    kv_cache_gb=cfg.kv_cache_gb, seed=cfg.seed,
                                                    gpu_memory_utilization=cfg.gpu_memory_utilization,
                                                    max_num_seqs=cfg.max_num_seqs, nvfp4_backend=backend,
+                                                   nvfp4_lora_kernels=cfg.nvfp4_lora_kernels,
                                                    lora_kernel_configs=cfg.lora_kernel_configs,
                                                    lora_dual_stream=cfg.lora_dual_stream),
                            enable_lora=lora_cfg is not None)
@@ -204,6 +212,7 @@ def main(cfg: RolloutConfig) -> None:
                "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "lora_slot_rank": slot,
                "lora_kernels": engine.lora_kernels, "device": "cpu" if engine.cpu else "cuda",
                "linear_kernels": kernels, "nvfp4_backend": backend, "nvfp4_backend_reason": why,
+               "nvfp4_lora_kernels": cfg.nvfp4_lora_kernels if backend == "fused" and cfg.adapter else None,
                "concurrency": min(cfg.max_num_seqs, len(rows))}
     with Staging() as st:
         (st.path / "rollouts.arrow").write_bytes(write_ipc(to_table(rows, ROLLOUTS)))

@@ -136,8 +136,15 @@ def choose_backend(requested: str, concurrency: int, cuda: bool, table: dict | N
                   f"{at} (nearest measured to {concurrency}; {where}){note}")
 
 
-def engine_settings(backend: str) -> tuple[dict, dict]:
-    """(extra vLLM LLM kwargs, environment variables) that select `backend`."""
+LORA_KERNELS = {"vllm": "0", "expand": "expand", "fused": "1"}  # -> QERL_NVFP4_LORA_EPILOGUE
+
+
+def engine_settings(backend: str, lora_kernels: str | None = None) -> tuple[dict, dict]:
+    """(extra vLLM LLM kwargs, environment variables) that select `backend`, and for the fused
+    backend where its layers' LoRA runs (`lora_kernels`, one of LORA_KERNELS; None leaves
+    QERL_NVFP4_LORA_EPILOGUE as the environment has it)."""
+    if lora_kernels is not None and lora_kernels not in LORA_KERNELS:
+        raise ConfigError(f"nvfp4 LoRA kernels must be one of {', '.join(LORA_KERNELS)}, not {lora_kernels!r}")
     if backend == "humming":
         return {"linear_backend": "humming"}, {"QERL_NVFP4_BACKEND": ""}
     if backend == "dequant":
@@ -147,7 +154,10 @@ def engine_settings(backend: str) -> tuple[dict, dict]:
         # loads nor saves compiled graphs, so each backend only ever sees its own.
         return {}, {"QERL_NVFP4_BACKEND": "dequant", "VLLM_DISABLE_COMPILE_CACHE": "1"}
     if backend == "fused":  # same compile-cache caveat as dequant
-        return {}, {"QERL_NVFP4_BACKEND": "fused", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+        env = {"QERL_NVFP4_BACKEND": "fused", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+        if lora_kernels is not None:
+            env["QERL_NVFP4_LORA_EPILOGUE"] = LORA_KERNELS[lora_kernels]
+        return {}, env
     if backend == "marlin":  # vLLM 0.26 forces Marlin for W4A16 under linear_backend=auto
         return {}, {"QERL_NVFP4_BACKEND": ""}
     raise ConfigError(f"unknown nvfp4 backend {backend!r}")

@@ -55,6 +55,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     seed: int = 0
     nvfp4_backend: str = "marlin"      # GPU only: marlin, humming, dequant or fused (see backends.py)
+    nvfp4_lora_kernels: str = "vllm"   # GPU, fused backend only: vllm, expand or fused (backends.LORA_KERNELS)
     lora_kernel_configs: str = "bundled"  # GPU only: see lora_kernel_environment
     lora_dual_stream: bool = False     # GPU only: see lora_kernel_environment
 
@@ -181,7 +182,7 @@ class RolloutEngine:
         if not self.cpu:
             from components.rollout.backends import engine_settings
 
-            extra, env = engine_settings(cfg.nvfp4_backend)
+            extra, env = engine_settings(cfg.nvfp4_backend, cfg.nvfp4_lora_kernels)
             os.environ.update(env)
             if enable_lora:
                 self.lora_kernels = set_lora_kernel_environment(cfg.lora_kernel_configs, cfg.lora_dual_stream)
