@@ -12,10 +12,13 @@ export PYTHONUNBUFFERED=1
 if [ "$STEP" = check ]; then
   export PYTHONPATH=$PWD
   nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
-  timeout 330 python3 benchmarks/nvfp4_lora_check.py > $OUT/lora_check.log 2>&1; echo "lora check rc $?"
-  timeout 200 python3 benchmarks/nvfp4_serving_check.py --m 1 8 16 64 > $OUT/serving_check.log 2>&1
-  echo "serving check rc $?"
-  grep -v "^ok " $OUT/lora_check.log | tail -40; tail -3 $OUT/serving_check.log
+  timeout ${CHECK_S:-330} python3 benchmarks/nvfp4_lora_check.py ${CHECK_ARGS:-} > $OUT/lora_check.log 2>&1
+  echo "lora check rc $?"
+  grep -v "^ok " $OUT/lora_check.log | tail -40
+  if [ "${SERVING:-1}" = 1 ]; then
+    timeout 200 python3 benchmarks/nvfp4_serving_check.py --m 1 8 16 64 > $OUT/serving_check.log 2>&1
+    echo "serving check rc $?"; tail -3 $OUT/serving_check.log
+  fi
 fi
 if [ "$STEP" = rollout ]; then
   source /tmp/vk/c1/setup.sh > /tmp/setup.log 2>&1 || { tail -20 /tmp/setup.log; exit 1; }
