@@ -135,6 +135,10 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         consts = {"BN": c["BN"], "STAGES": c["STAGES"], "GROUP_M": c["GROUP_M"], "HAS_BIAS": False,
                   "G_PER_ROW": c.get("G_PER_ROW", False), "PREPACKED": bool(c["PREPACKED"]), "TMA_W": bool(c["TMA_W"]),
                   "PINGPONG": bool(c["PINGPONG"]), "PP_REGS": c["PP_REGS"]}
+        # constexprs all given (`_source` would make one left out an i32 argument)
+        consts.update(PRODUCER=bool(c["PRODUCER"]), PRODUCER_REGS=c["PRODUCER_REGS"])
+        # the files' tag: as before PRODUCER unless it is on
+        tag = [v for key, v in consts.items() if c["PRODUCER"] or key not in ("PRODUCER", "PRODUCER_REGS")]
         rows = 16 * c["WARPS"] // (2 if c["PINGPONG"] else 1)  # PINGPONG: the boxes are one warp group's rows
         out_layout = gl.NVMMASharedLayout.get_default_for([c["BN"], rows], gl.bfloat16)
         x_desc = f"tensordesc<bf16[{c['BN']}, {swap_gemm.BK}],{swap_gemm._X_SMEM_LAYOUT!r}>"
@@ -149,7 +153,7 @@ def compile_config(cfg: dict, trans_w: bool, out: Path | None) -> dict:
         src = _source(GluonASTSource, swap_gemm._swap_kernel, ptrs, consts, div16)
         warps = c["WARPS"] // 2 if c["PINGPONG"] else c["WARPS"]  # PINGPONG: the default partition's
         return _ptxas_report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}),
-                             out, "_".join(f"{v}" for v in ("swap", *consts.values(), c["WARPS"])))
+                             out, "_".join(f"{v}" for v in ("swap", *tag, c["WARPS"])))
     if cfg.pop("WGMMA", False):  # the Gluon decode-to-shared-memory + wgmma kernel (wgmma_gemm.py)
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -250,7 +254,8 @@ def main() -> int:
                          "optional PERMUTE_K, A_PREPERM, EVICT_W; or GEMV: true with BLOCK_N, BLOCK_K; or DECODE: true "
                          "with RW, KV, MT (8 or 16 input rows), num_warps; or WGMMA: true with wgmma_gemm's config "
                          "keys, WARP_SPECIALIZE: true for its warp-specialized kernel; or SWAP: true with "
-                         "swap_gemm's WARPS, BN, STAGES, GROUP_M, PREPACKED, TMA_W, PINGPONG, PP_REGS); "
+                         "swap_gemm's WARPS, BN, STAGES, GROUP_M, PREPACKED, TMA_W, PINGPONG, PP_REGS, PRODUCER, "
+                         "PRODUCER_REGS); "
                          "repeat for several")
     ap.add_argument("--dx", action="store_true", help="the dX kernel (dy @ W) instead of the forward")
     ap.add_argument("--out", type=Path, help="also write each config's TTGIR, PTX and cubin here")

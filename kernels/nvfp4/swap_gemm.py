@@ -77,8 +77,13 @@ __all__ = ["AVAILABLE", "DEFAULT_CONFIG", "byte_bits", "full_config", "linear_sw
 # multiplies while the other decodes and waits. Its refill comes a step later than without
 # PINGPONG: STAGES 4 prefetches as deep as STAGES 3 does there. On an H100, 6-8 points of cuBLAS
 # faster than TMA_W at M = 4096, slower at M = 16 (NOTES.md, 2026-12-07, fifth session).
+# PRODUCER (needs PINGPONG): a third partition of one warp (PRODUCER_REGS registers per thread) issues
+# every TMA load, STAGES steps ahead of the two wgmma warp groups (CUTLASS's producer warp): each slot
+# is refilled as soon as both halves have released it, not a step later. The default partition gets
+# what is left of the register file (triton: 504 - PP_REGS - PRODUCER_REGS at 12 warps). Compiled,
+# not yet run on a GPU (NOTES.md, 2026-12-08).
 DEFAULT_CONFIG = {"WARPS": 8, "BN": 256, "STAGES": 4, "SPLIT_K": 1, "GROUP_M": 8, "PREPACKED": False, "TMA_W": False,
-                  "PINGPONG": False, "PP_REGS": 232}
+                  "PINGPONG": False, "PP_REGS": 232, "PRODUCER": False, "PRODUCER_REGS": 24}
 BK = 64  # reduction per step: 32 packed bytes and 4 block scales per weight row
 
 
@@ -368,13 +373,14 @@ if AVAILABLE:
     @gluon.jit
     def _swap_step_tma(i, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0, off_m, off_n,
                        ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
-                       half: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
+                       half: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr, PRODUCER: gl.constexpr = False):
         """`_swap_step` with the weight and scales in the TMA ring: no global load in the step. Step i's
         wgmma runs while step i + 1's slot is decoded; then the wait, and slot i takes step i + STAGES.
         No wait for slot i here: `_decode_slot` waited for it (every thread) when it decoded step i.
         HALVES 2 (PINGPONG): this is one of two warp groups in partitions of their own (ROWS its rows);
         a CTA barrier would lock them in step, so each releases the slot on `empty` (an mbarrier both
-        arrive on) and half 0 refills the slot of step i - 1 (the other half runs up to a step behind)."""
+        arrive on) and half 0 refills the slot of step i - 1 (the other half runs up to a step behind).
+        PRODUCER: the producer warp (`_pingpong_producer`) refills; both halves only release the slot."""
         slot = i % STAGES
         acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
         a_next = _decode_slot(w_ring, s_ring, ready, gl.minimum(i + 1, n_k - 1), STAGES, HALVES, half, ROWS, b_lay,
@@ -388,55 +394,73 @@ if AVAILABLE:
                       1, True)
         else:
             mbarrier.arrive(empty.index(slot), count=1)  # one thread of this partition
-            if half == 0:
-                if i > 0:
-                    prev = i - 1
-                    fill = prev + STAGES
-                    if fill < n_k:
-                        mbarrier.wait(empty.index(prev % STAGES), (prev // STAGES) & 1)  # both halves are done
-                        _fill(prev % STAGES, fill, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m,
-                              off_n, k0, BN, ROWS * HALVES, HALVES, True)
+            if not PRODUCER:
+                if half == 0:
+                    if i > 0:
+                        prev = i - 1
+                        fill = prev + STAGES
+                        if fill < n_k:
+                            mbarrier.wait(empty.index(prev % STAGES), (prev // STAGES) & 1)  # both halves are done
+                            _fill(prev % STAGES, fill, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m,
+                                  off_n, k0, BN, ROWS * HALVES, HALVES, True)
         return acc, a_next
 
     @gluon.jit
     def _tma_steps(acc, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0, off_m, off_n,
                    ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
-                   half: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr):
+                   half: gl.constexpr, b_lay: gl.constexpr, a_op: gl.constexpr, PRODUCER: gl.constexpr = False):
         """TMA_W's main loop over n_k steps (step 0 peeled, then two per iteration; see `_swap_kernel`)."""
         a = _decode_slot(w_ring, s_ring, ready, 0, STAGES, HALVES, half, ROWS, b_lay, a_op)
         acc, a = _swap_step_tma(0, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0,
-                                off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op)
+                                off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op, PRODUCER)
         for i in range(1, n_k - 1, 2):
             acc, a = _swap_step_tma(i, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0,
-                                    off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op)
+                                    off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op, PRODUCER)
             acc, a = _swap_step_tma(i + 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k,
-                                    k0, off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op)
+                                    k0, off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op, PRODUCER)
         if n_k % 2 == 0:  # steps 1 .. n_k - 1 were odd in number: the last one
             acc, a = _swap_step_tma(n_k - 1, acc, a, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty,
-                                    n_k, k0, off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op)
+                                    n_k, k0, off_m, off_n, ROWS, BN, STAGES, HALVES, half, b_lay, a_op, PRODUCER)
         return acc
 
     @gluon.jit
     def _pingpong_half(x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem, ready, empty, g_ptr,
                        bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split,
                        half: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       G_PER_ROW: gl.constexpr):
+                       G_PER_ROW: gl.constexpr, PRODUCER: gl.constexpr = False):
         """PINGPONG: one warp group's partition, weight rows off_n + 64·half .. + 63 of the CTA's 128.
-        Half 0 (the default partition) also starts the ring and refills it."""
+        Half 0 (the default partition) also starts the ring and refills it, unless PRODUCER (a warp of
+        its own does, `_pingpong_producer`)."""
         W: gl.constexpr = gl.num_warps()
         RH: gl.constexpr = 16 * W
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        if half == 0:
-            for j in gl.static_range(STAGES):  # steps 0 .. STAGES - 1
-                if j < n_k:
-                    _fill(j, j, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, 2 * RH,
-                          2, True)
+        if not PRODUCER:
+            if half == 0:
+                for j in gl.static_range(STAGES):  # steps 0 .. STAGES - 1
+                    if j < n_k:
+                        _fill(j, j, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN,
+                              2 * RH, 2, True)
         acc = gl.zeros([RH, BN], gl.float32, layout=mma)
         acc = _tma_steps(acc, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, n_k, k0, off_m, off_n,
-                         RH, BN, STAGES, 2, half, _bytes_layout(W), a_op)
+                         RH, BN, STAGES, 2, half, _bytes_layout(W), a_op, PRODUCER)
         _store_tile_t(acc, g_ptr, bias_ptr, out_desc, o_smem, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n + half * RH,
                       2 * tile + half, 2 * gl.num_programs(0), split, RH, BN, HAS_BIAS, G_PER_ROW, mma)
+
+    @gluon.jit
+    def _pingpong_producer(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, off_m, off_n, k0, n_k,
+                           ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+        """PINGPONG with PRODUCER: one warp that only issues the ring's TMA loads (CUTLASS's producer
+        warp), as far ahead as the ring allows. Step i goes into slot i % STAGES once both halves
+        have released the step before it there, i - STAGES (`empty` completes a phase per use of
+        the slot: wait for phase i // STAGES - 1; the parity ((i // STAGES) & 1) ^ 1 passes at
+        once on a fresh barrier, so the first STAGES steps go out unhindered). ROWS: the CTA's
+        weight rows (both halves; boxes of ROWS / 2)."""
+        for i in range(n_k):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            _fill(slot, i, x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, off_m, off_n, k0, BN, ROWS, 2,
+                  True)
 
     @gluon.jit
     def _swap_kernel(
@@ -444,7 +468,8 @@ if AVAILABLE:
         M, N, K, stride_w, stride_s, SPLIT_K,
         BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
         HAS_BIAS: gl.constexpr, G_PER_ROW: gl.constexpr, PREPACKED: gl.constexpr, TMA_W: gl.constexpr,
-        PINGPONG: gl.constexpr = False, PP_REGS: gl.constexpr = 232,
+        PINGPONG: gl.constexpr = False, PP_REGS: gl.constexpr = 232, PRODUCER: gl.constexpr = False,
+        PRODUCER_REGS: gl.constexpr = 24,
     ):
         W: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 32 * W if PINGPONG else 16 * W  # the CTA's weight rows
@@ -465,14 +490,26 @@ if AVAILABLE:
                 mbarrier.init(ready.index(j), count=1)
                 mbarrier.init(empty.index(j), count=2)  # one arrive per warp group
             fence_async_shared()  # the initialized barriers are visible to TMA
-            gl.warp_specialize([
-                (_pingpong_half, (x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem0, ready, empty,
-                                  g_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split,
-                                  0, BN, STAGES, HAS_BIAS, G_PER_ROW)),
-                (_pingpong_half, (x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem1, ready, empty,
-                                  g_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split,
-                                  1, BN, STAGES, HAS_BIAS, G_PER_ROW)),
-            ], [W], [PP_REGS])
+            if PRODUCER:  # a third partition, one warp at PRODUCER_REGS registers, issues every TMA load
+                gl.warp_specialize([
+                    (_pingpong_half, (x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem0, ready,
+                                      empty, g_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile,
+                                      split, 0, BN, STAGES, HAS_BIAS, G_PER_ROW, True)),
+                    (_pingpong_half, (x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem1, ready,
+                                      empty, g_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile,
+                                      split, 1, BN, STAGES, HAS_BIAS, G_PER_ROW, True)),
+                    (_pingpong_producer, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, off_m, off_n,
+                                          k0, n_k, ROWS, BN, STAGES)),
+                ], [W, 1], [PP_REGS, PRODUCER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_pingpong_half, (x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem0, ready,
+                                      empty, g_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile,
+                                      split, 0, BN, STAGES, HAS_BIAS, G_PER_ROW)),
+                    (_pingpong_half, (x_desc, w_desc, s_desc, out_desc, x_ring, w_ring, s_ring, o_smem1, ready,
+                                      empty, g_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile,
+                                      split, 1, BN, STAGES, HAS_BIAS, G_PER_ROW)),
+                ], [W], [PP_REGS])
         else:
             _swap_body(x_desc, w_desc, s_desc, out_desc, x_ring, packed_ptr, scale_ptr, g_ptr, bias_ptr, ws_ptr,
                        cnt_ptr, SPLIT_K, off_m, off_n, k0, n_k, tile, split, stride_w, stride_s, ROWS, BN, STAGES,
@@ -577,6 +614,8 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
         raise ValueError(f"the swap kernel's TMA_W reads the weight in `prepack`'s order: it needs PREPACKED, "
                          f"got {cfg}")
     pp = bool(cfg["PINGPONG"])
+    if cfg["PRODUCER"] and not pp:
+        raise ValueError(f"the swap kernel's PRODUCER is a third partition of PINGPONG: it needs PINGPONG, got {cfg}")
     if pp and (not cfg["TMA_W"] or cfg["WARPS"] != 8 or cfg["STAGES"] < 3):
         # STAGES 2 would hang: both halves wait for step i + 1 before half 0 issues it (at the end of step i)
         raise ValueError(f"the swap kernel's PINGPONG runs two warp groups on the TMA ring: it needs TMA_W, "
@@ -628,6 +667,7 @@ def linear_swap(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob
         _counters(x.device, 2 * tiles if pp else tiles), m, n, k, packed.stride(0), scale.stride(0), split,
         BN=cfg["BN"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
         G_PER_ROW=g.numel() > 1, PREPACKED=bool(cfg["PREPACKED"]), TMA_W=bool(cfg["TMA_W"]),
-        PINGPONG=pp, PP_REGS=cfg["PP_REGS"], num_warps=cfg["WARPS"] // 2 if pp else cfg["WARPS"],
+        PINGPONG=pp, PP_REGS=cfg["PP_REGS"], PRODUCER=bool(cfg["PRODUCER"]), PRODUCER_REGS=cfg["PRODUCER_REGS"],
+        num_warps=cfg["WARPS"] // 2 if pp else cfg["WARPS"],
     )
     return out
