@@ -282,6 +282,26 @@ def test_swap_kernel_decodes_the_weight_into_registers_for_async_wgmma_on_hopper
     assert r["wgmma"] == 32 and r["setmaxnreg"]["dec"] == [232] and r["mbarrier_arrives"] >= 6, r
 
 
+@pytest.mark.parametrize("bn, stages", [(256, 4), (128, 6)])
+def test_swap_kernel_producer_warp_issues_every_tma_load_on_hopper(bn, stages):
+    """PRODUCER (compiled for sm_90a, not yet run on a GPU): PINGPONG's two wgmma warp groups plus a
+    third partition of one warp at PRODUCER_REGS (24) registers that issues every TMA load of the
+    ring (one fill in its loop: 5 loads; the other 4 bulk copies are the output stores of the two
+    halves, with and without split-K); the wgmma partitions only wait on `ready` and arrive on
+    `empty`. Triton pads the partitions to 12 warps and gives the default one what is left:
+    504 - PP_REGS - PRODUCER_REGS = 248. No spills with triton 3.6 (the GPU image's). The ring
+    protocol itself: tests/test_nvfp4_swap_ring_protocol.py."""
+    r = _ptx_reports({"SWAP": True, "BN": bn, "STAGES": stages, "WARPS": 8, "PREPACKED": True, "TMA_W": True,
+                      "PINGPONG": True, "PRODUCER": True})[0]
+    assert r["wgmma"] == 32 and not r["wgmma_serialized"] and r["wgmma_a_overwrites"] == 0, r
+    if importlib.metadata.version("triton").startswith("3.6"):
+        assert r["spill_store_bytes"] == 0, r
+    # 24: the producer (and the padding warps), 232: the worker half, 248: the default half in the region
+    assert 24 in r["setmaxnreg"]["dec"] and 248 in r["setmaxnreg"]["dec"], r
+    assert 232 in r["setmaxnreg"]["inc"], r
+    assert r["tma_loads"] == 9 and r["mbarrier_arrives"] >= 8, r
+
+
 def test_swap_prepack_puts_a_lanes_bytes_together_and_the_kernel_restores_the_order():
     """`swap_gemm.prepack` stores byte t + 4j of every row's 32 bytes per step at 8t + j; the kernel
     loads [rows, t, j] and reorders it (`_bytes`: reshape [rows, t, block, bit 2], permute to
