@@ -31,11 +31,7 @@ arrive, which covers the asynchronous wgmma's read of the input tile.
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
-
-sys.setrecursionlimit(100000)
 
 
 def consumer_ops(half: int, n_k: int, stages: int, producer: bool) -> list[tuple]:
