@@ -104,6 +104,9 @@ def main(argv=None) -> int:
 
     dev = torch.device("cuda")
     serving.prepare(dev)
+    # one compiled `run` per (shape, slots, M): more variants than dynamo's default limit of 8, after
+    # which it would silently run the rest eagerly
+    torch._dynamo.config.recompile_limit = 1024
     op, base_op = torch.ops.qerl.nvfp4_linear_lora, torch.ops.qerl.nvfp4_linear
     gen = torch.Generator(device=dev).manual_seed(0)
     failed, shrink_cases, shrink_timings = 0, [], []
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
                       lambda: lora_expand_(base_op(x, packed, scale, g, bias), t, bs, idx, slices), rep=50) * 1e3,
                   "op": do_bench_cudagraph(lambda: op(x, packed, scale, g, bias, t, [], bs, idx, slices), rep=50) * 1e3}
             lora_a = [(torch.randn(1, 1, args.rank, k, device=dev, generator=gen) * 0.05).bfloat16() for _ in slices]
-            us["shrink+gemm+expand"] = do_bench_cudagraph(lambda: lora_expand_(
+            us["shrink+gemm+expand (approx. vLLM)"] = do_bench_cudagraph(lambda: lora_expand_(
                 base_op(x, packed, scale, g, bias), lora_shrink(x, lora_a, idx), bs, idx, slices), rep=50) * 1e3
             print(f"time {name} M={m}: " + " ".join(f"{a} {v:.2f} us" for a, v in us.items()), flush=True)
             cfg = serving.config_for(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)

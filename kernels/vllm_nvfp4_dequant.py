@@ -391,6 +391,13 @@ def _patch_lora_layers() -> None:
     setattr(BaseLinearLayerWithLoRA, _LORA_PATCH_MARK, True)
 
 
+def lora_layers_in_launch(model) -> list[bool]:
+    """Per LoRA Linear layer of a vLLM model (`LLM.apply_model`), whether its adapter runs in the
+    fused kernel's launch (`lora_epilogue_fits`)."""
+    return [lora_epilogue_fits(m) for m in model.modules()
+            if hasattr(m, "lora_b_stacked") and hasattr(m, "output_slices")]
+
+
 def lora_epilogue_fits(lora_layer) -> bool:
     """Whether `_lora_apply` serves this LoRA layer: its base layer is one of the fused kernel's
     (with QERL_NVFP4_LORA_EPILOGUE not 0), no tensor parallelism, a Punica wrapper with the

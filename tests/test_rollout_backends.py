@@ -115,6 +115,8 @@ def test_rollout_config_rejects_an_unknown_backend():
         RolloutConfig(model="/m", prompts="/p", output="/o", nvfp4_backend="fp8")
     with pytest.raises(ConfigError, match="--nvfp4-lora-kernels must be one of vllm, expand, fused, not 'punica'"):
         RolloutConfig(model="/m", prompts="/p", output="/o", nvfp4_lora_kernels="punica")
+    with pytest.raises(ConfigError, match="--lora-dual-stream runs vLLM's own LoRA kernels"):
+        RolloutConfig(model="/m", prompts="/p", output="/o", nvfp4_lora_kernels="fused", lora_dual_stream=True)
 
 
 @pytest.mark.parametrize("field, value, msg", [

@@ -343,13 +343,9 @@ def _fused_engine_main(q_dir: str, out_path: str) -> None:
     got = _serve(q_dir, max_lora_rank=16)
     (kernels,) = got["llm"].apply_model(_kernel_names)
 
-    def hooked(model):
-        from kernels.vllm_nvfp4_dequant import lora_epilogue_fits
+    from kernels.vllm_nvfp4_dequant import lora_layers_in_launch
 
-        return [lora_epilogue_fits(m) for m in model.modules() if hasattr(m, "lora_b_stacked")
-                and hasattr(m, "output_slices")]
-
-    (lora_hooked,) = got["llm"].apply_model(hooked)
+    (lora_hooked,) = got["llm"].apply_model(lora_layers_in_launch)
 
     def rows(outs):
         return [[list(o.outputs[0].token_ids), _vllm_logprobs(o.outputs[0]).tolist()] for o in outs]

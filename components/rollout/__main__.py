@@ -65,7 +65,9 @@ class RolloutConfig:
                                     "NVFP4 layers: vllm (vLLM's Punica fill, shrink and expand: three launches per "
                                     "layer), expand (vLLM's shrink, the expand in the fused GEMM's epilogue) or fused "
                                     "(shrink and expand inside the GEMM's launch where its decode kernel serves the "
-                                    "batch; kernels/nvfp4/lora.py)", metavar="NAME")
+                                    "batch; kernels/nvfp4/lora.py). Sets QERL_NVFP4_LORA_EPILOGUE, over any value in "
+                                    "the environment; the metrics say how many LoRA layers it reached",
+                                    metavar="NAME")
     max_num_seqs: int = field(256, help="most sequences the engine runs at once (the concurrency)")
     lora_kernel_configs: str = field("bundled", help="GPU: configs of vLLM's LoRA kernels: bundled "
                                      "(components/rollout/lora_configs, tuned per GPU by benchmarks/lora_kernels.py), "
@@ -103,6 +105,9 @@ class RolloutConfig:
                 f"not {self.nvfp4_backend!r}")
         require(self.nvfp4_lora_kernels in LORA_KERNELS, f"--nvfp4-lora-kernels must be one of "
                 f"{', '.join(LORA_KERNELS)}, not {self.nvfp4_lora_kernels!r}")
+        require(not (self.lora_dual_stream and self.nvfp4_lora_kernels != "vllm"),
+                "--lora-dual-stream runs vLLM's own LoRA kernels on a second stream: it needs "
+                "--nvfp4-lora-kernels vllm")
 
 
 def _h(*parts) -> int:
@@ -202,6 +207,11 @@ def main(cfg: RolloutConfig) -> None:
                          "sampling_seed": cfg.seed, "max_tokens": cfg.max_tokens,
                          "temperature": cfg.temperature, "top_p": cfg.top_p})
     lengths = [len(r["completion_token_ids"]) for r in rows]
+    # fused backend with an adapter: the LoRA mode asked for and how many LoRA layers it reached
+    lora_in_launch = ((cfg.nvfp4_lora_kernels, "{}/{}".format(*engine.lora_layers_in_launch()))
+                      if backend == "fused" and cfg.adapter else None)
+    if lora_in_launch:
+        log.info("nvfp4 LoRA kernels %s: %s LoRA layers in the fused kernel's launch", *lora_in_launch)
     metrics = {"prompts": len(chosen), "samples": len(rows), "completion_tokens": sum(lengths),
                "tokens_per_second": sum(lengths) / max(seconds, 1e-9), "generate_seconds": seconds,
                "engine_start_seconds": engine.start_seconds, "completion_len_mean": statistics.fmean(lengths),
@@ -212,7 +222,8 @@ def main(cfg: RolloutConfig) -> None:
                "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "lora_slot_rank": slot,
                "lora_kernels": engine.lora_kernels, "device": "cpu" if engine.cpu else "cuda",
                "linear_kernels": kernels, "nvfp4_backend": backend, "nvfp4_backend_reason": why,
-               "nvfp4_lora_kernels": cfg.nvfp4_lora_kernels if backend == "fused" and cfg.adapter else None,
+               "nvfp4_lora_kernels": lora_in_launch[0] if lora_in_launch else None,
+               "nvfp4_lora_layers_in_launch": lora_in_launch[1] if lora_in_launch else None,
                "concurrency": min(cfg.max_num_seqs, len(rows))}
     with Staging() as st:
         (st.path / "rollouts.arrow").write_bytes(write_ipc(to_table(rows, ROLLOUTS)))

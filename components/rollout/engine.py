@@ -242,6 +242,14 @@ class RolloutEngine:
 
         return self.llm.apply_model(names)[0]
 
+    def lora_layers_in_launch(self) -> tuple[int, int]:
+        """(LoRA layers whose adapter runs inside the fused NVFP4 kernel's launch, LoRA layers): what
+        nvfp4_lora_kernels expand / fused actually reached (kernels/vllm_nvfp4_dequant.py)."""
+        from kernels.vllm_nvfp4_dequant import lora_layers_in_launch
+
+        hooked = self.llm.apply_model(lora_layers_in_launch)[0]
+        return sum(hooked), len(hooked)
+
     def set_aqn(self, sigma: float, seed: int) -> int:
         """Apply AQN inside the engine's model; returns how many norms were changed."""
         from components.rollout.aqn import apply_noise

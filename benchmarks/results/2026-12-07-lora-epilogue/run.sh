@@ -6,10 +6,10 @@
 # STEP=rollout (after the vLLM kit's nine chunk calls): the fused backend once per LoRA mode in EPIS
 #   (QERL_NVFP4_LORA_EPILOGUE values, default "1 0"), then bf16 (BF16=0 skips it), at CONC (default
 #   1,16) sequences with a decode profile at 1 and greedy tokens for the modes' comparison; results go
-#   to $OUT/epi$E/ (bf16 under epi0/). ~7 min.
+#   to $OUT/epi$E/ (bf16 under epi0/). ~7-9 min (bf16 last: the one cut if the call's 600 s run out).
 set -u
 export PYTHONUNBUFFERED=1
-if [ "$STEP" = check ]; then
+if [ "${STEP:-}" = check ]; then
   export PYTHONPATH=$PWD
   nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
   timeout ${CHECK_S:-330} python3 benchmarks/nvfp4_lora_check.py ${CHECK_ARGS:-} > $OUT/lora_check.log 2>&1
@@ -20,7 +20,7 @@ if [ "$STEP" = check ]; then
     echo "serving check rc $?"; tail -3 $OUT/serving_check.log
   fi
 fi
-if [ "$STEP" = rollout ]; then
+if [ "${STEP:-}" = rollout ]; then
   source /tmp/vk/c1/setup.sh > /tmp/setup.log 2>&1 || { tail -20 /tmp/setup.log; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > $OUT/gpu_rollout.txt; cat $OUT/gpu_rollout.txt
@@ -32,5 +32,5 @@ if [ "$STEP" = rollout ]; then
     cp /tmp/rb$1/results-*.json $OUT/epi$1/ 2>/dev/null
   }
   for e in ${EPIS:-1 0}; do bench $e fused; done  # the fused backend with each LoRA mode
-  [ "${BF16:-1}" = 1 ] && bench 0 bf16             # the baseline (the LoRA mode is the fused backend's only)
+  if [ "${BF16:-1}" = 1 ]; then bench 0 bf16; fi   # the baseline (the LoRA mode is the fused backend's only)
 fi

@@ -8,6 +8,7 @@
 # or a hang cannot take the baselines with it), then PINGPONG and PRODUCER timed in one process (same card,
 # same cuBLAS), then, time permitting, ncu's source page of PRODUCER (did the `ready` wait shrink?).
 set -u
+# at most 8 files come back from $OUT: gpu.txt, check_pr.{log,json}, check_sk.log, time.log and ncu's three
 export PYTHONUNBUFFERED=1
 PP='{"SWAP":true,"PREPACKED":true,"TMA_W":true,"PINGPONG":true}'
 PR='{"SWAP":true,"PREPACKED":true,"TMA_W":true,"PINGPONG":true,"PRODUCER":true}'
@@ -17,30 +18,31 @@ PRSK='{"SWAP":true,"PREPACKED":true,"TMA_W":true,"PINGPONG":true,"PRODUCER":true
 mkdir -p $OUT/x
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > $OUT/gpu.txt 2>&1
-# 1. correctness (learner and vLLM shapes, M = 1, 16, 33, 64, 200, ... as nvfp4_wgmma_check.py picks), and
-#    PRODUCER's own timings at 256 and 4096 rows
-timeout 200 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$PR, $PR128]" --m 256 4096 \
+# passed LOG: every check line ok and the summary printed (it prints "0/78 checks ok" too)
+passed() { grep -q "^check " $1 && ! grep -q BAD $1 && grep -q "checks ok" $1; }
+# 1. correctness (learner and vLLM shapes, M = 1, 16, 33, 64, 200, ... as nvfp4_wgmma_check.py picks); timed
+#    only at 16 rows here so that the summary comes soon (step 2 times 256 and 4096)
+timeout 200 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$PR, $PR128]" --m 16 \
   --out $OUT/check_pr.json > $OUT/check_pr.log 2>&1
 echo "check rc $?" >> $OUT/check_pr.log
 # 1b. split-K (4 splits: the producer's ring per split, the split-K epilogue), decode-sized tiles, timed at M = 16
-if grep -q "checks ok" $OUT/check_pr.log && [ $SECONDS -lt 220 ]; then
-  timeout 90 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$PRSK]" --m 16 --out $OUT/check_sk.json \
-    > $OUT/check_sk.log 2>&1
+if passed $OUT/check_pr.log && [ $SECONDS -lt 220 ]; then
+  timeout 90 python3 benchmarks/nvfp4_wgmma_check.py --configs "[$PRSK]" --m 16 > $OUT/check_sk.log 2>&1
   echo "check rc $?" >> $OUT/check_sk.log
 fi
 # 2. only if every check passed: PINGPONG (the baseline) and PRODUCER in one process, no checks
-if grep -q "checks ok" $OUT/check_pr.log && ! grep -q "BAD" $OUT/check_pr.log && [ $SECONDS -lt 300 ]; then
+if passed $OUT/check_pr.log && [ $SECONDS -lt 300 ]; then
   timeout 150 python3 benchmarks/nvfp4_wgmma_check.py --skip-check --configs "[$PP, $PR, $PR240]" --m 256 4096 \
-    --out $OUT/time.json > $OUT/time.log 2>&1
+    > $OUT/time.log 2>&1
   echo "time rc $?" >> $OUT/time.log
 fi
 # 3. ncu source page of PRODUCER on gate/up at M = 4096 (as run2.sh did for PINGPONG)
-if grep -q "checks ok" $OUT/check_pr.log && [ $SECONDS -lt 360 ]; then
+if passed $OUT/check_pr.log && [ $SECONDS -lt 360 ]; then
   timeout 90 ncu --clock-control none --kernel-name regex:'_swap_kernel' --launch-skip 1 --launch-count 1 \
     --set full --import-source yes -f -o $OUT/x/pr python3 benchmarks/results/2026-12-07-dw/ncu_target.py "$PR" \
     > $OUT/x/pr.ncu.log 2>&1
-  ncu -i $OUT/x/pr.ncu-rep --csv --page raw > $OUT/x/raw.csv 2>&1
-  ncu -i $OUT/x/pr.ncu-rep --csv --page source --print-source sass > $OUT/x/sass.csv 2>&1
+  timeout 60 ncu -i $OUT/x/pr.ncu-rep --csv --page raw > $OUT/x/raw.csv 2>&1
+  timeout 60 ncu -i $OUT/x/pr.ncu-rep --csv --page source --print-source sass > $OUT/x/sass.csv 2>&1
   python3 benchmarks/results/2026-12-07-pingpong/ncu_sass.py $OUT/x/raw.csv $OUT/x/sass.csv 60 > $OUT/ncu_pr_sass.txt 2>&1
   gzip -c $OUT/x/sass.csv > $OUT/ncu_pr_sass.csv.gz; gzip -c $OUT/x/raw.csv > $OUT/ncu_pr_raw.csv.gz
   tail -5 $OUT/x/pr.ncu.log >> $OUT/ncu_pr_sass.txt
