@@ -208,10 +208,10 @@ def main(cfg: RolloutConfig) -> None:
                          "temperature": cfg.temperature, "top_p": cfg.top_p})
     lengths = [len(r["completion_token_ids"]) for r in rows]
     # fused backend with an adapter: the LoRA mode asked for and how many LoRA layers it reached
-    lora_in_launch = ((cfg.nvfp4_lora_kernels, "{}/{}".format(*engine.lora_layers_in_launch()))
-                      if backend == "fused" and cfg.adapter else None)
-    if lora_in_launch:
-        log.info("nvfp4 LoRA kernels %s: %s LoRA layers in the fused kernel's launch", *lora_in_launch)
+    lora_mode = cfg.nvfp4_lora_kernels if backend == "fused" and cfg.adapter else None
+    in_launch = "{}/{}".format(*engine.lora_layers_in_launch()) if lora_mode else None
+    if lora_mode:
+        log.info("nvfp4 LoRA kernels %s: %s LoRA layers in the fused kernel's launch", lora_mode, in_launch)
     metrics = {"prompts": len(chosen), "samples": len(rows), "completion_tokens": sum(lengths),
                "tokens_per_second": sum(lengths) / max(seconds, 1e-9), "generate_seconds": seconds,
                "engine_start_seconds": engine.start_seconds, "completion_len_mean": statistics.fmean(lengths),
@@ -222,8 +222,7 @@ def main(cfg: RolloutConfig) -> None:
                "lora_rank": lora_cfg.get("r") if lora_cfg else 0, "lora_slot_rank": slot,
                "lora_kernels": engine.lora_kernels, "device": "cpu" if engine.cpu else "cuda",
                "linear_kernels": kernels, "nvfp4_backend": backend, "nvfp4_backend_reason": why,
-               "nvfp4_lora_kernels": lora_in_launch[0] if lora_in_launch else None,
-               "nvfp4_lora_layers_in_launch": lora_in_launch[1] if lora_in_launch else None,
+               "nvfp4_lora_kernels": lora_mode, "nvfp4_lora_layers_in_launch": in_launch,
                "concurrency": min(cfg.max_num_seqs, len(rows))}
     with Staging() as st:
         (st.path / "rollouts.arrow").write_bytes(write_ipc(to_table(rows, ROLLOUTS)))
